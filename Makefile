@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/local.yaml
+
+.PHONY: install run test test-unit test-e2e plan clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(BIN)/.installed
+
+run: install
+	$(BIN)/miles run $(CONFIG)
+
+plan: install
+	$(BIN)/miles plan $(CONFIG)
+
+test: install
+	$(BIN)/pytest tests --ignore=tests/gpu
+
+test-unit: install
+	$(BIN)/pytest tests/unit
+
+clean:
+	rm -rf .miles

@@ -1,0 +1,132 @@
+"""The `miles` command line: run, plan and inspect RL post-training recipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from miles_core.config import ConfigError, RunConfig, field_docs, load_config
+
+app = typer.Typer(help="RL post-training as durable Prefect flows.", no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+console = Console()
+
+STAGES = ["prepare-model", "prepare-data", "sft-warmup", "convert-checkpoint", "ensure-ray",
+          "evaluate (before)", "train", "upload-artifacts", "evaluate (after)", "register-model"]
+
+
+def local_environment(work_dir: str) -> None:
+    """Defaults for the embedded stack; anything already set in the environment wins."""
+    root = Path(work_dir).resolve()
+    defaults = {
+        "PREFECT_HOME": str(root / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "INFO",
+        "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "TOKENIZERS_PARALLELISM": "false",
+        "MLFLOW_ALLOW_FILE_STORE": "true",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+def _load(config: Path, overrides: list[str]) -> RunConfig:
+    try:
+        return load_config(config, overrides)
+    except ConfigError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+
+
+def layout_rows(cfg: RunConfig) -> list[tuple[str, str]]:
+    gpu = lambda n: f", {n:g} GPU" if n else ""  # noqa: E731
+    ray_target = cfg.placement.ray_address or "local Ray (started in-process)"
+    return [
+        ("ray", ray_target),
+        ("trainer", f"1 x {cfg.training.backend} actor: {cfg.training.cpus_per_trainer:g} CPU{gpu(cfg.training.gpus_per_trainer)}"),
+        ("rollout", f"{cfg.rollout.num_engines} x {cfg.rollout.engine} engine: {cfg.rollout.cpus_per_engine:g} CPU"
+                    f"{gpu(cfg.rollout.gpus_per_engine)} each"),
+        ("batch", f"{cfg.rollout.num_prompts_per_step} prompts x {cfg.rollout.num_samples_per_prompt} samples, "
+                  f"<= {cfg.rollout.max_new_tokens} new tokens"),
+        ("steps", f"{cfg.warmup.sft_steps} SFT warm-up, {cfg.training.num_steps} {cfg.algorithm.name} steps, "
+                  f"checkpoint every {cfg.checkpoint.interval_steps}"),
+    ]
+
+
+@app.command()
+def plan(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local.yaml"),
+         set_: list[str] = typer.Option([], "--set", help="dotted.key=value override (repeatable)"),
+         fields: bool = typer.Option(False, "--fields", help="print every config field with its docs")) -> None:
+    """Validate a recipe and print the resolved config, resource layout and stages (runs nothing)."""
+    cfg = _load(config, set_)
+    if fields:
+        table = Table("field", "default", "meaning", show_lines=False)
+        for name, default, doc in field_docs():
+            table.add_row(name, default, doc)
+        console.print(table)
+        return
+    console.rule(f"resolved config ({config}, digest {cfg.digest()})")
+    console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    layout = Table("resource", "layout", title="placement")
+    for row in layout_rows(cfg):
+        layout.add_row(*row)
+    console.print(layout)
+    console.print("stages: " + " -> ".join(STAGES))
+
+
+@app.command()
+def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local.yaml"),
+        set_: list[str] = typer.Option([], "--set", help="dotted.key=value override (repeatable)"),
+        run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="local run directory (default <work_dir>/runs/<run_key>)"),
+        resume: Optional[str] = typer.Option(None, "--resume", help="run key to resume from its latest checkpoint")) -> None:
+    """Run the rl-posttrain flow in this process (ephemeral Prefect, local Ray unless configured)."""
+    cfg = _load(config, set_)
+    local_environment(cfg.storage.work_dir)
+    from flows.rl_posttrain import rl_posttrain  # imports Prefect/Ray only when running
+
+    summary = rl_posttrain(config_path=str(config), overrides=list(set_), resume_from=resume,
+                           run_dir=str(run_dir) if run_dir else None)
+    print_summary(summary)
+
+
+def print_summary(summary: dict) -> None:
+    table = Table("what", "where / value", title=f"run {summary['run_key']}: {summary['status']}")
+    table.add_row("held-out pass@1", f"{summary['eval']['before']:.3f} -> {summary['eval']['after']:.3f}")
+    table.add_row("steps", f"{summary['steps']} (resumed from {summary['resumed_from_step']})")
+    table.add_row("summary", str(Path(summary["run_dir"]) / "summary.json"))
+    table.add_row("checkpoint", summary["checkpoint_uri"])
+    table.add_row("HF export", summary["hf_export_uri"])
+    table.add_row("MLflow", f"{summary['mlflow']['tracking_uri']} (run {summary['mlflow']['run_id']})")
+    table.add_row("registry", f"models:/{summary['mlflow']['model_name']}/{summary['model_version']} (@candidate)")
+    table.add_row("stage seconds", json.dumps(summary["timings"]))
+    console.print(table)
+
+
+@app.command()
+def show(run_dir: Path = typer.Argument(..., help="a run directory containing summary.json")) -> None:
+    """Print the summary of a finished run."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        console.print(f"[red]{path} not found: the run has not finished (or the path is wrong)[/red]")
+        raise typer.Exit(1)
+    print_summary(json.loads(path.read_text()))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

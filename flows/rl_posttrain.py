@@ -1,0 +1,98 @@
+"""The `rl-posttrain` flow: model -> data -> warm-up -> convert -> Ray -> train -> publish -> eval."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from miles_core import tracking
+from miles_core.config import RunConfig, load_config
+from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, sft_warmup
+from tasks.cluster import ensure_ray
+from tasks.evaluate import evaluate
+from tasks.publish import register_model, upload_artifacts
+from tasks.train import train
+
+
+class StageTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        started = time.perf_counter()
+        get_run_logger().info("stage %s ...", name)
+        yield
+        self.seconds[name] = round(time.perf_counter() - started, 2)
+        get_run_logger().info("stage %s done in %.1f s", name, self.seconds[name])
+
+
+def store_uri(cfg: RunConfig) -> str:
+    return cfg.storage.object_store_uri or Path(cfg.storage.work_dir, "store").resolve().as_uri()
+
+
+def _cached_dir(task, **kwargs) -> dict:
+    """Run a cached artifact task; refresh the cache entry if its directory was deleted."""
+    result = task(**kwargs)
+    if not Path(result["model_dir"]).is_dir():
+        result = task.with_options(refresh_cache=True)(**kwargs)
+    return result
+
+
+@flow(name="rl-posttrain", log_prints=True)
+def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] | None = None,
+                 resume_from: str | None = None, run_dir: str | None = None) -> dict:
+    """RL post-training of one recipe, durable stage by stage; returns the run summary."""
+    cfg = load_config(config_path, overrides or [])
+    config = cfg.model_dump(mode="json")
+    run_key = resume_from or str(flow_run.get_id() or f"local-{int(time.time())}")
+    run_path = Path(run_dir or Path(cfg.storage.work_dir, "runs", run_key)).resolve()
+    run_path.mkdir(parents=True, exist_ok=True)
+    (run_path / "config.resolved.json").write_text(json.dumps(config, indent=1))
+    uri, mlflow_run = tracking.start_or_attach_run(cfg, run_key, {
+        "miles.flow_run_id": str(flow_run.get_id()), "miles.deployment": str(flow_run.get_deployment_id())})
+    timer = StageTimer()
+    with timer("prepare_model"):
+        model = _cached_dir(prepare_model, config=config)
+    with timer("prepare_data"):
+        data = prepare_data(config=config)
+    with timer("sft_warmup"):
+        policy = _cached_dir(sft_warmup, config=config, model=model, data=data)
+    with timer("convert"):
+        converted = convert_checkpoint(config=config, model=policy)
+    with timer("ensure_ray"):
+        ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir)
+    with timer("eval_before"):
+        before = evaluate(config, policy["model_dir"], data["eval_path"], "before")
+    tracking.log_eval(uri, mlflow_run, "before", before, step=0)
+    spec = {"config": config, "model_dir": converted["model_dir"], "train_path": data["train_path"],
+            "run_dir": str(run_path)}
+    with timer("train"):
+        result = train(spec, uri, mlflow_run)
+    with timer("upload"):
+        uploaded = upload_artifacts(store_uri(cfg), run_key, result["final_checkpoint_dir"], result["hf_export_dir"])
+    with timer("eval_after"):
+        after = evaluate(config, result["hf_export_dir"], data["eval_path"], "after")
+    tracking.log_eval(uri, mlflow_run, "after", after, step=result["steps"])
+    with timer("register"):
+        version = register_model(uri, mlflow_run, cfg.tracking.registered_model_name, result["hf_export_dir"],
+                                 {"run_key": run_key, "checkpoint_uri": uploaded["checkpoint_uri"],
+                                  "eval_pass@1": str(after["pass@1"])})
+    summary = {
+        "run_key": run_key, "status": "completed", "run_dir": str(run_path),
+        "eval": {"before": before["pass@1"], "after": after["pass@1"], "num_prompts": after["num_prompts"]},
+        "steps": result["steps"], "resumed_from_step": result["resumed_from_step"],
+        "checkpoint_uri": uploaded["checkpoint_uri"], "hf_export_uri": uploaded["hf_export_uri"],
+        "hf_export_dir": result["hf_export_dir"], "model_version": version,
+        "mlflow": {"tracking_uri": uri, "run_id": mlflow_run, "model_name": cfg.tracking.registered_model_name},
+        "reward_curve": [round(h["rollout/reward_mean"], 4) for h in result["history"]],
+        "timings": timer.seconds,
+    }
+    (run_path / "summary.json").write_text(json.dumps(summary, indent=1))
+    tracking.finish(uri, mlflow_run, "FINISHED")
+    return summary

@@ -1,0 +1,134 @@
+"""Prompt datasets (DAPO-style jsonl), the built-in addition task, and a resumable source."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles_core.config import ArithmeticTaskConfig, DataConfig
+
+
+@dataclass
+class Prompt:
+    """One dataset row, tokenised: what a rollout group starts from."""
+
+    index: int
+    messages: list[dict[str, str]] | str
+    label: str
+    input_ids: list[int] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def write_arithmetic_task(task: ArithmeticTaskConfig, out_dir: str | Path) -> tuple[Path, Path]:
+    """Write train/eval jsonl files of `a+b=` problems, in the dapo-math-17k row layout."""
+    rng = random.Random(task.seed)
+    pairs = [(a, b) for a in range(task.max_operand + 1) for b in range(task.max_operand + 1)]
+    rng.shuffle(pairs)
+    needed = task.num_train + task.num_eval
+    if needed > len(pairs):
+        raise ValueError(
+            f"data.builtin asks for {needed} distinct problems but operands up to "
+            f"{task.max_operand} give only {len(pairs)}; lower num_train/num_eval"
+        )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    splits = {"train": pairs[: task.num_train], "eval": pairs[task.num_train : needed]}
+    paths = []
+    for split, rows in splits.items():
+        path = out_dir / f"{split}.jsonl"
+        with path.open("w") as fh:
+            for a, b in rows:
+                row = {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "label": str(a + b)}
+                fh.write(json.dumps(row) + "\n")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def _label_of(row: dict[str, Any], label_key: str) -> str:
+    if label_key in row:
+        return str(row[label_key])
+    ground_truth = (row.get("reward_model") or {}).get("ground_truth")
+    if ground_truth is not None:  # the original DAPO-Math-17k layout
+        return str(ground_truth)
+    raise KeyError(label_key)
+
+
+def read_prompts(path: str | Path, data: DataConfig, tokenizer) -> list[Prompt]:
+    """Read a jsonl of prompts (chat messages or text) + labels and tokenise them."""
+    prompts, skipped_long = [], 0
+    with Path(path).open() as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                messages, label = row[data.prompt_key], _label_of(row, data.label_key)
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise ValueError(
+                    f"{path}:{line_no}: expected a JSON object with '{data.prompt_key}' and "
+                    f"'{data.label_key}' (or reward_model.ground_truth): {exc!r}"
+                ) from None
+            if isinstance(messages, list) and data.apply_chat_template:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+            else:
+                text = messages if isinstance(messages, str) else "".join(m["content"] for m in messages)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) > data.max_prompt_tokens:
+                skipped_long += 1
+                continue
+            extra = {k: v for k, v in row.items() if k not in (data.prompt_key, data.label_key)}
+            prompts.append(Prompt(len(prompts), messages, label, ids, extra))
+    if not prompts:
+        raise ValueError(f"{path}: no usable prompts ({skipped_long} longer than data.max_prompt_tokens)")
+    return prompts
+
+
+class PromptSource:
+    """Endless, seeded, resumable stream of prompt batches: state is (epoch, offset)."""
+
+    def __init__(self, prompts: list[Prompt], seed: int):
+        self.prompts, self.seed = prompts, seed
+        self.epoch, self.offset = 0, 0
+        self._order = self._shuffled(0)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self, batch_size: int) -> list[Prompt]:
+        batch = []
+        while len(batch) < batch_size:
+            if self.offset >= len(self._order):
+                self.epoch, self.offset = self.epoch + 1, 0
+                self._order = self._shuffled(self.epoch)
+            batch.append(self.prompts[self._order[self.offset]])
+            self.offset += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = self._shuffled(self.epoch)
+
+
+@dataclass
+class Sample:
+    """One generated response: the unit the trainer learns from."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    label: str
+    response_text: str = ""
+    rollout_logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    advantage: float = 0.0
+    weight_version: str = "0"
+    finish_reason: str = "stop"

@@ -1,0 +1,95 @@
+"""The synchronous RL loop: rollout -> reward -> advantages -> train -> weight sync.
+
+Runs in the driver process; trainer and engines are Ray actors. Resumable: everything the
+next step depends on (weights, optimizer, data cursor, RNG, step, weight version) is in the
+latest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+import torch
+
+from miles_core import algorithms as algo
+from miles_core import checkpoint as ckpt
+from miles_core.config import RunConfig
+from miles_core.data import PromptSource, Sample
+from miles_core.rollout.manager import RolloutManager
+from miles_core.weights import WeightTransport
+
+log = logging.getLogger(__name__)
+MetricsFn = Callable[[int, dict[str, float]], None]
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    weight_version: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def assign_advantages(cfg: RunConfig, samples: list[Sample]) -> None:
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    advantages = algo.grpo_advantages(rewards, cfg.rollout.num_samples_per_prompt, cfg.algorithm.normalize_std)
+    for sample, adv in zip(samples, advantages.tolist()):
+        sample.advantage = adv
+
+
+def rollout_metrics(cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
+    n = cfg.rollout.num_samples_per_prompt
+    rewards = [s.reward for s in samples]
+    groups = [rewards[i : i + n] for i in range(0, len(rewards), n)]
+    return {
+        "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/response_len_mean": statistics.fmean(len(s.response_ids) for s in samples),
+        "rollout/truncated_frac": statistics.fmean(s.finish_reason == "length" for s in samples),
+        "rollout/zero_std_group_frac": statistics.fmean(len(set(g)) == 1 for g in groups),
+    }
+
+
+def save(cfg: RunConfig, trainer: Any, run_dir: Path, state: LoopState, source: PromptSource) -> Path:
+    extra = {"step": state.step, "weight_version": state.weight_version, "data": source.state_dict()}
+
+    def write(staging: Path) -> None:
+        ray.get(trainer.save_state.remote(str(staging), extra))
+
+    path = ckpt.write_checkpoint(run_dir / "checkpoints", state.step, cfg.digest(), write)
+    ckpt.prune(run_dir / "checkpoints", cfg.checkpoint.keep_latest)
+    return path
+
+
+def run_sync_loop(cfg: RunConfig, trainer: Any, engines: list[Any], transport: WeightTransport,
+                  source: PromptSource, run_dir: Path, state: LoopState,
+                  on_metrics: MetricsFn, on_checkpoint: Callable[[int], None],
+                  on_step: Callable[[LoopState], None] = lambda s: None) -> LoopState:
+    manager = RolloutManager(engines, cfg.rollout, cfg.rollout.reward)
+    while state.step < cfg.training.num_steps:
+        started = time.perf_counter()
+        prompts = source.next_batch(cfg.rollout.num_prompts_per_step)
+        samples = manager.generate(prompts, seed=cfg.seed * 100_003 + state.step * 97)
+        stale = {s.weight_version for s in samples} - {str(state.weight_version)}
+        if stale:  # the sync loop never trains on samples from an older policy
+            raise RuntimeError(f"samples from weight versions {stale}, expected {state.weight_version}")
+        generated = time.perf_counter()
+        assign_advantages(cfg, samples)
+        metrics = rollout_metrics(cfg, samples) | ray.get(trainer.train_step.remote(samples))
+        trained = time.perf_counter()
+        state.step += 1
+        state.weight_version += 1
+        metrics |= transport.push(trainer, engines, state.weight_version)
+        metrics |= {"time/rollout_seconds": generated - started, "time/train_seconds": trained - generated,
+                    "time/step_seconds": time.perf_counter() - started}
+        state.history.append({"step": state.step, **metrics})
+        on_metrics(state.step, metrics)
+        if state.step % cfg.checkpoint.interval_steps == 0 or state.step == cfg.training.num_steps:
+            save(cfg, trainer, run_dir, state, source)
+            on_checkpoint(state.step)
+        on_step(state)
+    return state

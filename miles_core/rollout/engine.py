@@ -1,0 +1,112 @@
+"""The embedded rollout engine: transformers generation behind SGLang's request/response shape.
+
+`generate` takes what SGLang's `POST /generate` takes (token ids, sampling_params,
+return_logprob) and returns what it returns (output_ids, meta_info with
+output_token_logprobs, finish_reason and weight_version), so callers are engine-agnostic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from miles_core.weights import weights_sha256
+
+
+class RolloutEngine(Protocol):
+    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
+                 return_logprob: bool = True, seed: int | None = None) -> list[dict[str, Any]]: ...
+
+    def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict: ...
+
+    def get_weight_version(self) -> str: ...
+
+
+class EmbeddedEngine:
+    """A transformers model that generates batches of token-id prompts."""
+
+    def __init__(self, model_dir: str, dtype: str = "float32", num_threads: int | None = None,
+                 device: str = "cpu"):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval()
+        self.weight_version = "0"
+        self.pad_id = self.tokenizer.pad_token_id
+        self.eos_id = self.tokenizer.eos_token_id
+
+    def get_weight_version(self) -> str:
+        return self.weight_version
+
+    def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:
+        missing, unexpected = self.model.load_state_dict(named_tensors, strict=False)
+        missing = [k for k in missing if k != "lm_head.weight" or not self.model.config.tie_word_embeddings]
+        if missing or unexpected:
+            return {"success": False, "message": f"missing={missing[:5]} unexpected={unexpected[:5]}"}
+        self.weight_version = str(weight_version)
+        return {"success": True, "message": f"weights at version {weight_version}"}
+
+    def weights_sha256(self) -> str:
+        """Digest of the engine's weights under HF names (tied lm_head excluded)."""
+        state = self.model.state_dict()
+        if self.model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        return weights_sha256(state)
+
+    @torch.no_grad()
+    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
+                 return_logprob: bool = True, seed: int | None = None) -> list[dict[str, Any]]:
+        temperature = float(sampling_params.get("temperature", 1.0))
+        max_new_tokens = int(sampling_params.get("max_new_tokens", 16))
+        greedy = temperature == 0.0
+        batch, attention = self._left_pad(input_ids)
+        config = GenerationConfig(
+            do_sample=not greedy,
+            temperature=None if greedy else temperature,
+            top_p=None if greedy else float(sampling_params.get("top_p", 1.0)),
+            top_k=None if greedy else int(sampling_params.get("top_k", 0)) or None,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=[self.eos_id, *sampling_params.get("stop_token_ids", [])],
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            output_logits=return_logprob,
+        )
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = self.model.generate(input_ids=batch, attention_mask=attention, generation_config=config)
+        new_tokens = out.sequences[:, batch.shape[1]:].cpu()
+        logprobs = None
+        if return_logprob:
+            logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        return [self._response(row, new_tokens[row], logprobs, len(input_ids[row]), max_new_tokens)
+                for row in range(len(input_ids))]
+
+    def _left_pad(self, input_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(ids) for ids in input_ids)
+        batch = torch.full((len(input_ids), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(batch)
+        for row, ids in enumerate(input_ids):
+            batch[row, width - len(ids):] = torch.tensor(ids)
+            attention[row, width - len(ids):] = 1
+        return batch.to(self.device), attention.to(self.device)
+
+    def _response(self, row: int, tokens: torch.Tensor, logprobs, prompt_len: int, max_new: int) -> dict:
+        ids = tokens.tolist()
+        stop_at = next((i for i, t in enumerate(ids) if t == self.eos_id), None)
+        ids = ids[: stop_at + 1] if stop_at is not None else ids[:max_new]
+        finish = {"type": "stop", "matched": self.eos_id} if stop_at is not None else {"type": "length", "length": max_new}
+        meta = {
+            "finish_reason": finish,
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(ids),
+            "weight_version": self.weight_version,
+        }
+        if logprobs is not None:
+            meta["output_token_logprobs"] = [[float(logprobs[row, i]), t, None] for i, t in enumerate(ids)]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return {"text": text, "output_ids": ids, "meta_info": meta}

@@ -1,0 +1,115 @@
+"""MLflow tracking: one MLflow run per run key, exactly-once metric steps, model registry."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+from miles_core.config import RunConfig
+
+RUN_KEY_TAG = "miles.run_key"
+SECRET_MARKERS = ("token", "secret", "password", "key_id", "access_key", "api_key")
+
+
+def tracking_uri(cfg: RunConfig) -> str:
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return f"sqlite:///{Path(cfg.storage.work_dir).resolve() / 'mlflow.db'}"
+
+
+def client_for(uri: str) -> MlflowClient:
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            redact = any(marker in key.lower() for marker in SECRET_MARKERS)
+            flat[name] = "<redacted>" if redact and value else str(value)[:6000]
+    return flat
+
+
+def start_or_attach_run(cfg: RunConfig, run_key: str, tags: dict[str, str]) -> tuple[str, str]:
+    """The MLflow run of this run key: attached if it exists (resume), else created with
+    params logged once. Returns (tracking uri, MLflow run id)."""
+    uri = tracking_uri(cfg)
+    client = client_for(uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    if experiment is None:
+        artifact_root = None
+        if uri.startswith("sqlite:"):
+            artifact_root = (Path(cfg.storage.work_dir).resolve() / "mlartifacts").as_uri()
+        experiment_id = client.create_experiment(cfg.tracking.experiment_name, artifact_location=artifact_root)
+    else:
+        experiment_id = experiment.experiment_id
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
+    if found:
+        return uri, found[0].info.run_id
+    run = client.create_run(experiment_id, run_name=run_key,
+                            tags={RUN_KEY_TAG: run_key, "miles.config_digest": cfg.digest(), **tags})
+    params = [Param(k, v) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+    for start in range(0, len(params), 100):
+        client.log_batch(run.info.run_id, params=params[start : start + 100])
+    return uri, run.info.run_id
+
+
+class MetricsLogger:
+    """Buffers per-step metrics and writes them when the step is durable (checkpointed).
+
+    Steps at or below the highest step already in MLflow are skipped, so a resumed attempt
+    that recomputes steps never writes them twice and never leaves a gap.
+    """
+
+    def __init__(self, uri: str, run_id: str, probe_metric: str = "rollout/reward_mean"):
+        self.client, self.run_id = client_for(uri), run_id
+        history = self.client.get_metric_history(run_id, probe_metric)
+        self.logged_through = max((m.step for m in history), default=0)
+        self.pending: list[Metric] = []
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if step <= self.logged_through:
+            return
+        now = int(1000 * __import__("time").time())
+        self.pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+
+    def flush(self) -> None:
+        for start in range(0, len(self.pending), 500):
+            self.client.log_batch(self.run_id, metrics=self.pending[start : start + 500])
+        if self.pending:
+            self.logged_through = max(m.step for m in self.pending)
+        self.pending = []
+
+
+def log_eval(uri: str, run_id: str, phase: str, result: dict[str, Any], step: int) -> None:
+    client = client_for(uri)
+    client.log_metric(run_id, f"eval/{phase}_pass@1", result["pass@1"], step=step)
+    client.log_dict(run_id, result, f"eval/{phase}.json")
+
+
+def register_model(uri: str, run_id: str, name: str, hf_export_dir: str, tags: dict[str, str]) -> str:
+    """Log the HF export as run artifacts and register them as a new model version."""
+    client = client_for(uri)
+    client.log_artifacts(run_id, hf_export_dir, artifact_path="hf_export")
+    try:
+        client.get_registered_model(name)
+    except mlflow.exceptions.MlflowException:
+        client.create_registered_model(name, description="HF exports of rl-posttrain runs")
+    source = f"{client.get_run(run_id).info.artifact_uri}/hf_export"
+    version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+    client.set_registered_model_alias(name, "candidate", version.version)
+    return version.version
+
+
+def finish(uri: str, run_id: str, status: str) -> None:
+    client_for(uri).set_terminated(run_id, status=status)

@@ -1,0 +1,54 @@
+"""The train task: runs the training driver; a retry resumes from the latest checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from miles_core import tracking
+from miles_core.train import TrainSpec, run_training
+
+INFRA_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "NodeDiedError",
+                "ObjectLostError", "WorkerCrashedError", "RaySystemError", "ConnectionError", "TimeoutError")
+
+
+def is_infrastructure_failure(task, task_run, state) -> bool:
+    """Retry lost actors/nodes and network trouble; never a bad config or a NaN."""
+    try:
+        state.result()
+    except Exception as exc:  # noqa: BLE001 - classifying the failure is the point
+        names = {cls.__name__ for cls in type(exc).__mro__}
+        return bool(names & set(INFRA_ERRORS))
+    return False
+
+
+@task(name="train", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[10, 60],
+      retry_jitter_factor=0.5, retry_condition_fn=is_infrastructure_failure)
+def train(spec: dict, mlflow_uri: str, mlflow_run_id: str) -> dict:
+    """RL training from spec; metrics go to the MLflow run as each step becomes durable."""
+    logger = get_run_logger()
+    metrics = tracking.MetricsLogger(mlflow_uri, mlflow_run_id)
+    num_steps = spec["config"]["training"]["num_steps"]
+    progress = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("{task.fields[info]}"))
+    with progress:
+        bar = progress.add_task("rl", total=num_steps, info="")
+
+        def on_step(state) -> None:
+            last = state.history[-1]
+            info = f"reward {last['rollout/reward_mean']:.3f}  step {last['time/step_seconds']:.2f}s"
+            progress.update(bar, completed=state.step, info=info)
+
+        def on_checkpoint(step: int) -> None:
+            metrics.flush()
+            logger.info("checkpoint at step %d", step)
+
+        result = run_training(TrainSpec(**spec), on_metrics=metrics.log, on_checkpoint=on_checkpoint,
+                              on_step=on_step)
+    metrics.flush()
+    if result.resumed_from_step is not None:
+        logger.info("resumed from step %d", result.resumed_from_step)
+    return asdict(result)

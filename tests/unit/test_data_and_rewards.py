@@ -1,0 +1,92 @@
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from miles_core.config import ArithmeticTaskConfig, DataConfig
+from miles_core.data import PromptSource, read_prompts, write_arithmetic_task
+from miles_core.rewards import dapo, exact_match, get_reward, last_boxed, math_boxed
+
+# Rows as they appear in the public files: slime's processed dapo-math-17k.jsonl (prompt +
+# label) and the original BytedTsinghua-SIA/DAPO-Math-17k layout (reward_model.ground_truth).
+DAPO_PROCESSED = {
+    "prompt": [{"content": "Solve the following math problem step by step. The last line of your response "
+                           "should be of the form Answer: $Answer (without quotes) where $Answer is the answer "
+                           "to the problem.\n\nIn triangle $ABC$, $\\sin \\angle A = \\frac{4}{5}$ and "
+                           "$\\angle A < 90^\\circ$. Let $D$ be a point outside triangle $ABC$ such that "
+                           "$\\angle BAD = \\angle DAC$...\n\nRemember to put your answer on its own line after "
+                           "\"Answer:\".", "role": "user"}],
+    "label": "34",
+}
+DAPO_ORIGINAL = {
+    "data_source": "math_dapo",
+    "prompt": [{"content": "What is 6*7?", "role": "user"}],
+    "ability": "MATH",
+    "reward_model": {"ground_truth": "42", "style": "rule-lighteval/MATH_v2"},
+    "extra_info": {"index": "9a9b6eb4-a1cb-49d1-8c1e-62eaf2f74079"},
+}
+
+
+def test_reader_loads_both_real_dapo_layouts(tmp_path, tiny_model_dir):
+    path = tmp_path / "dapo.jsonl"
+    path.write_text(json.dumps(DAPO_PROCESSED) + "\n\n" + json.dumps(DAPO_ORIGINAL) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = read_prompts(path, DataConfig(), tokenizer)
+    assert [p.label for p in prompts] == ["34", "42"]
+    assert prompts[1].metadata["data_source"] == "math_dapo"
+    rendered = tokenizer.decode(prompts[1].input_ids)
+    assert rendered == "<|user|>What is 6*7?<|end|><|assistant|>"
+
+
+def test_reader_rejects_rows_without_label_with_line_number(tmp_path, tiny_model_dir):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a JSON object"):
+        read_prompts(path, DataConfig(), AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def test_reader_skips_overlong_prompts(tmp_path, tiny_model_dir):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n" + json.dumps({"prompt": "9" * 50, "label": "9"}))
+    prompts = read_prompts(path, DataConfig(max_prompt_tokens=10), AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert [p.label for p in prompts] == ["2"]
+
+
+def test_builtin_task_is_disjoint_and_correct(tmp_path):
+    train, held_out = write_arithmetic_task(ArithmeticTaskConfig(num_train=300, num_eval=50, max_operand=30), tmp_path)
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    eval_rows = [json.loads(line) for line in held_out.read_text().splitlines()]
+    assert len(rows) == 300 and len(eval_rows) == 50
+    assert not {r["prompt"][0]["content"] for r in rows} & {r["prompt"][0]["content"] for r in eval_rows}
+    a, b = rows[0]["prompt"][0]["content"].rstrip("=").split("+")
+    assert int(rows[0]["label"]) == int(a) + int(b)
+    with pytest.raises(ValueError, match="lower num_train"):
+        write_arithmetic_task(ArithmeticTaskConfig(num_train=100, num_eval=1, max_operand=5), tmp_path)
+
+
+def test_prompt_source_resumes_exactly(tmp_path, tiny_model_dir):
+    prompts = list(range(10))
+    source = PromptSource(prompts, seed=3)
+    source.next_batch(7)
+    state = source.state_dict()
+    expected = source.next_batch(9)  # crosses an epoch boundary
+    resumed = PromptSource(prompts, seed=3)
+    resumed.load_state_dict(state)
+    assert resumed.next_batch(9) == expected
+
+
+def test_rewards():
+    assert exact_match(" 46 ", "46") == 1.0
+    assert exact_match("46.0", "46") == 1.0
+    assert exact_match("47", "46") == 0.0
+    assert exact_match("", "0") == 0.0
+    assert last_boxed(r"so \boxed{\frac{1}{2}} and \boxed{7}") == "7"
+    assert last_boxed(r"\boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert math_boxed(r"thus \boxed{34}", "34") == 1.0
+    assert math_boxed("34", "34") == 0.0
+    assert dapo("work...\nAnswer: 34", "34") == 1.0
+    assert dapo("Answer: 35", "34") == -1.0
+    assert get_reward("exact_match") is exact_match
+    assert get_reward("miles_core.rewards:dapo") is dapo
+    with pytest.raises(ValueError, match="registered"):
+        get_reward("nope")
