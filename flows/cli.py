@@ -19,16 +19,18 @@ app = typer.Typer(help="RL post-training as durable Prefect flows.", no_args_is_
                   context_settings={"help_option_names": ["-h", "--help"]})
 console = Console()
 
-STAGES = ["prepare-model", "prepare-data", "sft-warmup", "convert-checkpoint", "ensure-ray",
+STAGES = ["prepare-model", "prepare-data", "ensure-ray", "sft-warmup", "convert-checkpoint",
           "evaluate (before)", "train", "upload-artifacts", "evaluate (after)", "register-model"]
 
 
 def local_environment(work_dir: str) -> None:
     """Defaults for the embedded stack; anything already set in the environment wins."""
     root = Path(work_dir).resolve()
+    (root / "prefect").mkdir(parents=True, exist_ok=True)
     defaults = {
         "PREFECT_HOME": str(root / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "PREFECT_LOGGING_LEVEL": "INFO",
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false",
         "RAY_AUTH_MODE": "disabled",
@@ -103,6 +105,7 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
 
 def print_summary(summary: dict) -> None:
     table = Table("what", "where / value", title=f"run {summary['run_key']}: {summary['status']}")
+    table.columns[1].overflow = "fold"
     table.add_row("held-out pass@1", f"{summary['eval']['before']:.3f} -> {summary['eval']['after']:.3f}")
     table.add_row("steps", f"{summary['steps']} (resumed from {summary['resumed_from_step']})")
     table.add_row("summary", str(Path(summary["run_dir"]) / "summary.json"))

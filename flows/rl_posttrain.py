@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 
 from miles_core import tracking
 from miles_core.config import RunConfig, load_config
@@ -50,23 +50,23 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
     """RL post-training of one recipe, durable stage by stage; returns the run summary."""
     cfg = load_config(config_path, overrides or [])
     config = cfg.model_dump(mode="json")
-    run_key = resume_from or str(flow_run.get_id() or f"local-{int(time.time())}")
+    run_key = resume_from or str(flow_run.id or f"local-{int(time.time())}")
     run_path = Path(run_dir or Path(cfg.storage.work_dir, "runs", run_key)).resolve()
     run_path.mkdir(parents=True, exist_ok=True)
     (run_path / "config.resolved.json").write_text(json.dumps(config, indent=1))
     uri, mlflow_run = tracking.start_or_attach_run(cfg, run_key, {
-        "miles.flow_run_id": str(flow_run.get_id()), "miles.deployment": str(flow_run.get_deployment_id())})
+        "miles.flow_run_id": str(flow_run.id), "miles.deployment": str(deployment.name or "none")})
     timer = StageTimer()
     with timer("prepare_model"):
         model = _cached_dir(prepare_model, config=config)
     with timer("prepare_data"):
         data = prepare_data(config=config)
+    with timer("ensure_ray"):
+        ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir)
     with timer("sft_warmup"):
         policy = _cached_dir(sft_warmup, config=config, model=model, data=data)
     with timer("convert"):
         converted = convert_checkpoint(config=config, model=policy)
-    with timer("ensure_ray"):
-        ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir)
     with timer("eval_before"):
         before = evaluate(config, policy["model_dir"], data["eval_path"], "before")
     tracking.log_eval(uri, mlflow_run, "before", before, step=0)
@@ -82,7 +82,7 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
     with timer("register"):
         version = register_model(uri, mlflow_run, cfg.tracking.registered_model_name, result["hf_export_dir"],
                                  {"run_key": run_key, "checkpoint_uri": uploaded["checkpoint_uri"],
-                                  "eval_pass@1": str(after["pass@1"])})
+                                  "eval_pass_at_1": str(after["pass@1"])})
     summary = {
         "run_key": run_key, "status": "completed", "run_dir": str(run_path),
         "eval": {"before": before["pass@1"], "after": after["pass@1"], "num_prompts": after["num_prompts"]},

@@ -93,7 +93,7 @@ class MetricsLogger:
 
 def log_eval(uri: str, run_id: str, phase: str, result: dict[str, Any], step: int) -> None:
     client = client_for(uri)
-    client.log_metric(run_id, f"eval/{phase}_pass@1", result["pass@1"], step=step)
+    client.log_metric(run_id, f"eval/{phase}_pass_at_1", result["pass@1"], step=step)
     client.log_dict(run_id, result, f"eval/{phase}.json")
 
 

@@ -6,29 +6,35 @@ import random
 from pathlib import Path
 from typing import Callable
 
+import ray
+
 from miles_core.config import RunConfig
 from miles_core.data import Prompt, Sample
 from miles_core.training.fsdp import FSDPTrainer
 
 
 def sft_samples(prompts: list[Prompt], tokenizer) -> list[Sample]:
+    """Prompt + label + eos, with the loss on the label and eos tokens."""
     eos = tokenizer.eos_token_id
     return [Sample(p.index, p.input_ids, tokenizer(p.label, add_special_tokens=False)["input_ids"] + [eos], p.label)
             for p in prompts]
 
 
-def run_sft_warmup(cfg: RunConfig, model_dir: str, prompts: list[Prompt], out_dir: str | Path,
+def run_sft_warmup(cfg: RunConfig, model_dir: str, prompts: list[Prompt], tokenizer, out_dir: str | Path,
                    on_step: Callable[[int, float], None] | None = None) -> Path:
-    """Train cfg.warmup.sft_steps supervised steps from model_dir and save an HF dir."""
+    """Train cfg.warmup.sft_steps supervised steps from model_dir in a trainer actor; save HF."""
     training = cfg.training.model_copy(update={"lr": cfg.warmup.lr, "lr_warmup_steps": 0})
-    trainer = FSDPTrainer(model_dir, training, cfg.algorithm, seed=cfg.seed)
-    samples = sft_samples(prompts, trainer.tokenizer)
-    rng = random.Random(cfg.seed)
-    for step in range(cfg.warmup.sft_steps):
-        loss = trainer.sft_step(rng.sample(samples, min(cfg.warmup.batch_size, len(samples))))
-        if on_step:
-            on_step(step, loss)
+    actor_cls = ray.remote(num_cpus=cfg.training.cpus_per_trainer, num_gpus=cfg.training.gpus_per_trainer)(FSDPTrainer)
+    trainer = actor_cls.remote(model_dir, training, cfg.algorithm, seed=cfg.seed)
     try:
-        return trainer.export_hf(out_dir)
+        samples = sft_samples(prompts, tokenizer)
+        rng = random.Random(cfg.seed)
+        for step in range(cfg.warmup.sft_steps):
+            batch = rng.sample(samples, min(cfg.warmup.batch_size, len(samples)))
+            loss = ray.get(trainer.sft_step.remote(batch))
+            if on_step:
+                on_step(step, loss)
+        ray.get(trainer.export_hf.remote(str(out_dir)))
     finally:
-        trainer.close()
+        ray.kill(trainer)
+    return Path(out_dir)

@@ -80,13 +80,14 @@ def sft_warmup(config: dict, model: dict, data: dict) -> dict:
     logger = get_run_logger()
     key = _warmup_key(None, {"config": config, "model": model})
     out_dir = Path(cfg.storage.work_dir) / "cache" / "warmup" / key
-    prompts = read_prompts(data["train_path"], cfg.data, AutoTokenizer.from_pretrained(model["model_dir"]))
+    tokenizer = AutoTokenizer.from_pretrained(model["model_dir"])
+    prompts = read_prompts(data["train_path"], cfg.data, tokenizer)
 
     def progress(step: int, loss: float) -> None:
         if (step + 1) % 25 == 0 or step + 1 == cfg.warmup.sft_steps:
             logger.info("sft warm-up step %d/%d loss %.3f", step + 1, cfg.warmup.sft_steps, loss)
 
-    run_sft_warmup(cfg, model["model_dir"], prompts, out_dir, on_step=progress)
+    run_sft_warmup(cfg, model["model_dir"], prompts, tokenizer, out_dir, on_step=progress)
     return {"model_dir": str(out_dir), "identity": f"warmup:{key}"}
 
 
