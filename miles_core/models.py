@@ -88,9 +88,11 @@ def materialize_model(model: ModelConfig, cache_dir: str | Path) -> tuple[Path, 
 
 
 def _download_hf(src: str, out_dir: Path) -> None:
+    """Snapshot through the shared HF cache (resumable, deduplicated), then copy it out."""
     from huggingface_hub import snapshot_download
 
     repo, _, revision = src[len("hf://"):].partition("@")
     # Honours HF_TOKEN / HF_ENDPOINT / HF_HUB_OFFLINE from the environment; the token is never logged.
-    snapshot_download(repo_id=repo, revision=revision or None, local_dir=str(out_dir),
-                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"])
+    snapshot = snapshot_download(repo_id=repo, revision=revision or None, etag_timeout=30,
+                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"])
+    shutil.copytree(snapshot, out_dir, dirs_exist_ok=True, symlinks=False)

@@ -1,0 +1,93 @@
+"""The whole rl-posttrain flow on the embedded default, as a user runs it: `miles run`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("work")
+    run_dir = work / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "configs/local.yaml"),
+           "--set", f"storage.work_dir={work}", "--run-dir", str(run_dir)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return work, run_dir, json.loads((run_dir / "summary.json").read_text()), proc.stdout + proc.stderr
+
+
+def greedy_accuracy(model_dir, eval_path) -> float:
+    """Recomputed with plain transformers, independent of the project's engine code."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rows = [json.loads(line) for line in open(eval_path)]
+    correct = 0
+    for row in rows:
+        ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        correct += text == row["label"]
+    return correct / len(rows)
+
+
+def test_summary_contract_and_learning(finished_run):
+    _, run_dir, summary, _ = finished_run
+    for key in ("run_key", "status", "eval", "steps", "resumed_from_step", "checkpoint_uri",
+                "hf_export_uri", "model_version", "timings"):
+        assert key in summary, key
+    assert summary["status"] == "completed" and summary["steps"] == 120
+    assert summary["eval"]["after"] - summary["eval"]["before"] >= 0.20, summary["eval"]
+    assert summary["timings"]["train"] <= 300
+    assert json.loads((run_dir / "config.resolved.json").read_text())["training"]["num_steps"] == 120
+
+
+def test_uploaded_export_loads_and_matches_eval(finished_run, tmp_path):
+    work, _, summary, _ = finished_run
+    from miles_core.storage import download_dir
+
+    local = download_dir(summary["hf_export_uri"], tmp_path / "export")
+    eval_path = next((work / "cache" / "data").rglob("eval.jsonl"))
+    accuracy = greedy_accuracy(local, eval_path)
+    assert abs(accuracy - summary["eval"]["after"]) <= 0.02, (accuracy, summary["eval"])
+
+
+def test_checkpoint_manifest_verifies_in_store(finished_run, tmp_path):
+    _, _, summary, _ = finished_run
+    from miles_core.checkpoint import verify_checkpoint
+    from miles_core.storage import download_dir
+
+    local = download_dir(summary["checkpoint_uri"], tmp_path / "ckpt")
+    assert verify_checkpoint(local) is None
+    assert json.loads((local / "MANIFEST.json").read_text())["step"] == 120
+
+
+def test_mlflow_has_params_metrics_and_model_version(finished_run):
+    from mlflow.tracking import MlflowClient
+
+    _, _, summary, _ = finished_run
+    client = MlflowClient(summary["mlflow"]["tracking_uri"], registry_uri=summary["mlflow"]["tracking_uri"])
+    run = client.get_run(summary["mlflow"]["run_id"])
+    assert run.data.params["training.num_steps"] == "120"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "rollout/reward_mean")]
+    assert steps == list(range(1, 121))
+    assert run.data.metrics["eval/after_pass_at_1"] == pytest.approx(summary["eval"]["after"])
+    version = client.get_model_version_by_alias(summary["mlflow"]["model_name"], "candidate")
+    assert version.version == str(summary["model_version"]) and version.run_id == run.info.run_id
+
+
+def test_progress_is_visible(finished_run):
+    *_, output = finished_run
+    assert "stage train done" in output and "RL" in output and "held-out pass@1" in output
