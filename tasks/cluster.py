@@ -15,12 +15,12 @@ def ensure_ray(address: str | None, num_cpus: int | None, work_dir: str) -> dict
 
     # Local clusters are private to this process tree: no token file written under $HOME.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    address = address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         if address:
             ray.init(address=address, log_to_driver=True)
         else:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-                     _temp_dir=None, configure_logging=False)
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, configure_logging=False)
     resources = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
     mode = "existing" if address else "local"
     get_run_logger().info("ray (%s) ready: %s", mode, resources)

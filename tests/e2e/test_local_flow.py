@@ -85,7 +85,7 @@ def test_mlflow_has_params_metrics_and_model_version(finished_run):
     assert steps == list(range(1, 121))
     assert run.data.metrics["eval/after_pass_at_1"] == pytest.approx(summary["eval"]["after"])
     version = client.get_model_version_by_alias(summary["mlflow"]["model_name"], "candidate")
-    assert version.version == str(summary["model_version"]) and version.run_id == run.info.run_id
+    assert str(version.version) == str(summary["model_version"]) and version.run_id == run.info.run_id
 
 
 def test_progress_is_visible(finished_run):
