@@ -98,8 +98,12 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
     local_environment(cfg.storage.work_dir)
     from flows.rl_posttrain import rl_posttrain  # imports Prefect/Ray only when running
 
-    summary = rl_posttrain(config_path=str(config), overrides=list(set_), resume_from=resume,
-                           run_dir=str(run_dir) if run_dir else None)
+    try:
+        summary = rl_posttrain(config_path=str(config), overrides=list(set_), resume_from=resume,
+                               run_dir=str(run_dir) if run_dir else None)
+    except Exception as exc:  # noqa: BLE001 - the CLI boundary: one clear line, details in the log above
+        console.print(f"[red]run failed: {type(exc).__name__}: {exc}[/red]")
+        raise typer.Exit(1) from None
     print_summary(summary)
 
 

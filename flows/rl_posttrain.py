@@ -54,6 +54,7 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
     run_path = Path(run_dir or Path(cfg.storage.work_dir, "runs", run_key)).resolve()
     run_path.mkdir(parents=True, exist_ok=True)
     (run_path / "config.resolved.json").write_text(json.dumps(config, indent=1))
+    (run_path / "RUN_KEY").write_text(run_key)
     uri, mlflow_run = tracking.start_or_attach_run(cfg, run_key, {
         "miles.flow_run_id": str(flow_run.id), "miles.deployment": str(deployment.name or "none")})
     timer = StageTimer()

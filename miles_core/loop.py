@@ -8,6 +8,7 @@ latest complete checkpoint.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ def run_sync_loop(cfg: RunConfig, trainer: Any, engines: list[Any], transport: W
         assign_advantages(cfg, samples)
         metrics = rollout_metrics(cfg, samples) | ray.get(trainer.train_step.remote(samples))
         trained = time.perf_counter()
+        if not math.isfinite(metrics["train/loss"]):  # permanent: a retry would diverge again
+            raise FloatingPointError(f"non-finite loss at step {state.step + 1}: {metrics['train/loss']}; "
+                                     "lower training.lr or check the rewards")
         state.step += 1
         state.weight_version += 1
         metrics |= transport.push(trainer, engines, state.weight_version)

@@ -63,10 +63,19 @@ def run_training(spec: TrainSpec, on_metrics: MetricsFn = lambda step, m: None,
                  on_step: Callable[[LoopState], None] = lambda s: None) -> TrainResult:
     cfg = RunConfig.model_validate(spec.config)
     run_dir = Path(spec.run_dir)
-    checkpoints = run_dir / "checkpoints"
     tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
     source = PromptSource(read_prompts(spec.train_path, cfg.data, tokenizer), seed=cfg.seed)
     trainer, engines = start_actors(cfg, spec.model_dir)
+    try:
+        return _resume_and_loop(cfg, run_dir, source, trainer, engines, on_metrics, on_checkpoint, on_step)
+    finally:  # a failed attempt must not leave actors holding CPUs/GPUs for the retry
+        for actor in [trainer, *engines]:
+            ray.kill(actor)
+
+
+def _resume_and_loop(cfg: RunConfig, run_dir: Path, source: PromptSource, trainer, engines,
+                     on_metrics, on_checkpoint, on_step) -> TrainResult:
+    checkpoints = run_dir / "checkpoints"
     transport = TRANSPORTS[cfg.rollout.weight_transport](verify=cfg.rollout.verify_weight_sync)
     state, resumed_from = LoopState(), None
     latest = ckpt.latest_complete_checkpoint(checkpoints)
@@ -84,8 +93,6 @@ def run_training(spec: TrainSpec, on_metrics: MetricsFn = lambda step, m: None,
     export_dir = run_dir / "hf_export"
     ray.get(trainer.export_hf.remote(str(export_dir)))
     final = ckpt.latest_complete_checkpoint(checkpoints)
-    for actor in [trainer, *engines]:
-        ray.kill(actor)
     return TrainResult(steps=state.step, resumed_from_step=resumed_from, final_checkpoint_dir=str(final[1]),
                        hf_export_dir=str(export_dir), history=state.history)
 

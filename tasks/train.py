@@ -10,23 +10,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from miles_core import tracking
 from miles_core.train import TrainSpec, run_training
-
-INFRA_ERRORS = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "NodeDiedError",
-                "ObjectLostError", "WorkerCrashedError", "RaySystemError", "ConnectionError", "TimeoutError")
-
-
-def is_infrastructure_failure(task, task_run, state) -> bool:
-    """Retry lost actors/nodes and network trouble; never a bad config or a NaN."""
-    try:
-        state.result()
-    except Exception as exc:  # noqa: BLE001 - classifying the failure is the point
-        names = {cls.__name__ for cls in type(exc).__mro__}
-        return bool(names & set(INFRA_ERRORS))
-    return False
-
+from tasks.retry import retry_infrastructure_only
 
 @task(name="train", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[10, 60],
-      retry_jitter_factor=0.5, retry_condition_fn=is_infrastructure_failure)
+      retry_jitter_factor=0.5, retry_condition_fn=retry_infrastructure_only)
 def train(spec: dict, mlflow_uri: str, mlflow_run_id: str) -> dict:
     """RL training from spec; metrics go to the MLflow run as each step becomes durable."""
     logger = get_run_logger()

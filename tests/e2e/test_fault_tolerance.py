@@ -1,0 +1,116 @@
+"""Fault injection on whole `miles run` processes: kills, corrupt checkpoints, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+NUM_STEPS = 40
+SHORT = [f"training.num_steps={NUM_STEPS}", "checkpoint.interval_steps=10", "checkpoint.keep_latest=3"]
+
+
+@pytest.fixture(scope="module")
+def work_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("faults")
+
+
+def miles(work: Path, *args: str, overrides=SHORT, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    sets = [x for o in [*overrides, f"storage.work_dir={work}"] for x in ("--set", o)]
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args, *sets], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, **popen)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 900) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.parent.name[5:]) for p in (run_dir / "checkpoints").glob("step_*/MANIFEST.json"))
+
+
+def assert_metrics_exactly_once(summary: dict) -> None:
+    client = MlflowClient(summary["mlflow"]["tracking_uri"])
+    steps = [m.step for m in client.get_metric_history(summary["mlflow"]["run_id"], "rollout/reward_mean")]
+    assert steps == list(range(1, NUM_STEPS + 1)), steps
+
+
+def test_trainer_killed_after_checkpoint_task_retry_resumes(work_dir):
+    run_dir = work_dir / "killed-trainer"
+    proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir))
+    wait_for(lambda: complete_steps(run_dir), 600, "the first checkpoint")
+    trainer_pids = wait_for(lambda: subprocess.run(["pgrep", "-f", "ray::FSDPTrainer"], capture_output=True,
+                                                   text=True).stdout.split(), 60, "the trainer actor")
+    killed_after = complete_steps(run_dir)[-1]
+    for pid in trainer_pids:
+        os.kill(int(pid), signal.SIGKILL)
+    out = finish(proc)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == NUM_STEPS and summary["resumed_from_step"] >= killed_after
+    assert summary["resumed_from_step"] % 10 == 0
+    assert "Retry 1/" in out
+    assert_metrics_exactly_once(summary)
+    assert summary["eval"]["after"] >= summary["eval"]["before"]
+
+
+def test_whole_process_killed_then_resume_skips_cached_stages(work_dir):
+    run_dir = work_dir / "killed-run"
+    proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir))
+    wait_for(lambda: len(complete_steps(run_dir)) >= 2, 600, "two checkpoints")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    run_key = (run_dir / "RUN_KEY").read_text()
+    steps = complete_steps(run_dir)
+    # The newest checkpoint is corrupted too: the resume must fall back to the previous one.
+    newest = run_dir / "checkpoints" / f"step_{steps[-1]:06d}" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])
+    out = finish(miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir),
+                       "--resume", run_key))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["run_key"] == run_key and summary["steps"] == NUM_STEPS
+    assert summary["resumed_from_step"] == steps[-2]
+    assert "skipping checkpoint" in out
+    for stage in ("prepare-model", "sft-warmup"):
+        assert any(stage in line and "Cached" in line for line in out.splitlines()), stage
+    assert_metrics_exactly_once(summary)
+
+
+def test_bad_config_fails_fast_with_one_message(work_dir, tmp_path):
+    proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(tmp_path / "bad"),
+                 overrides=["training.lr=-1"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "training.lr" in out and "greater than 0" in out and "Traceback" not in out
+    assert not (tmp_path / "bad").exists()
+
+
+def test_missing_model_path_fails_without_retries(work_dir, tmp_path):
+    proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(tmp_path / "nomodel"),
+                 overrides=[f"model.source={tmp_path / 'no-such-model'}"])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "no-such-model" in out and "does not exist" in out
+    assert "Retry 1/" not in out
