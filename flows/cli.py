@@ -19,6 +19,15 @@ app = typer.Typer(help="RL post-training as durable Prefect flows.", no_args_is_
                   context_settings={"help_option_names": ["-h", "--help"]})
 console = Console()
 
+
+def _register_stack() -> None:
+    from infra.stack import stack_app
+
+    app.add_typer(stack_app, name="stack", help="Local service stack: Prefect server + worker, MLflow, S3, Ray head.")
+
+
+_register_stack()
+
 STAGES = ["prepare-model", "prepare-data", "ensure-ray", "sft-warmup", "convert-checkpoint",
           "evaluate (before)", "train", "upload-artifacts", "evaluate (after)", "register-model"]
 

@@ -129,6 +129,35 @@ class Sample:
     response_text: str = ""
     rollout_logprobs: list[float] = field(default_factory=list)
     reward: float = 0.0
-    advantage: float = 0.0
+    loss_mask: list[float] = field(default_factory=list)
+    """Per response token 1/0 (empty = train on every response token); multi-turn SFT masks."""
     weight_version: str = "0"
     finish_reason: str = "stop"
+
+
+def _conversation_sample(prompt: Prompt, tokenizer) -> Sample:
+    """Multi-turn SFT: the loss covers exactly the tokens the chat template adds for
+    assistant turns (found by rendering growing prefixes of the conversation)."""
+    messages = prompt.messages
+    ids, trainable = [], []
+    for end in range(1, len(messages) + 1):
+        rendered = tokenizer.apply_chat_template(messages[:end], tokenize=True)
+        rendered = list(rendered if isinstance(rendered, list) else rendered["input_ids"])
+        added = rendered[len(ids):]
+        ids, trainable = rendered, trainable + [float(messages[end - 1]["role"] == "assistant")] * len(added)
+    first = trainable.index(1.0) if 1.0 in trainable else len(ids)
+    return Sample(prompt.index, ids[:first], ids[first:], prompt.label, loss_mask=trainable[first:])
+
+
+def sft_samples(prompts: list[Prompt], tokenizer) -> list[Sample]:
+    """Supervised samples: prompt + label + eos (loss on label and eos), or, for conversation
+    rows whose messages include assistant turns, the assistant tokens of the conversation."""
+    eos = tokenizer.eos_token_id
+    samples = []
+    for p in prompts:
+        if isinstance(p.messages, list) and any(m.get("role") == "assistant" for m in p.messages):
+            samples.append(_conversation_sample(p, tokenizer))
+        else:
+            label_ids = tokenizer(p.label, add_special_tokens=False)["input_ids"]
+            samples.append(Sample(p.index, p.input_ids, label_ids + [eos], p.label))
+    return samples

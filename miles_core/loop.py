@@ -21,7 +21,7 @@ import torch
 from miles_core import algorithms as algo
 from miles_core import checkpoint as ckpt
 from miles_core.config import RunConfig
-from miles_core.data import PromptSource, Sample
+from miles_core.data import PromptSource, Sample, sft_samples
 from miles_core.rollout.manager import RolloutManager
 from miles_core.weights import WeightTransport
 
@@ -36,11 +36,27 @@ class LoopState:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-def assign_advantages(cfg: RunConfig, samples: list[Sample]) -> None:
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    advantages = algo.grpo_advantages(rewards, cfg.rollout.num_samples_per_prompt, cfg.algorithm.normalize_std)
-    for sample, adv in zip(samples, advantages.tolist()):
-        sample.advantage = adv
+def collect_rollouts(cfg: RunConfig, manager: RolloutManager, source: PromptSource, seed: int
+                     ) -> tuple[list[Sample], dict[str, float]]:
+    """One step's batch. With dynamic sampling, groups whose rewards are all equal carry no
+    signal and are dropped; more prompts are drawn until the batch is full (or rounds run out)."""
+    n, wanted = cfg.rollout.num_samples_per_prompt, cfg.rollout.num_prompts_per_step
+    if not cfg.algorithm.dynamic_sampling:
+        return manager.generate(source.next_batch(wanted), seed), {}
+    kept: list[Sample] = []
+    dropped, rounds = 0, 0
+    while len(kept) < wanted * n and rounds < cfg.algorithm.max_sampling_rounds:
+        samples = manager.generate(source.next_batch(wanted), seed + rounds * 7919)
+        keep = algo.dynamic_sampling_keep(torch.tensor([s.reward for s in samples]), n)
+        for group, ok in enumerate(keep.tolist()):
+            if ok:
+                kept.extend(samples[group * n : (group + 1) * n])
+            dropped += not ok
+        rounds += 1
+    if not kept:
+        raise RuntimeError("dynamic sampling kept no group (all rewards equal in every group); "
+                           "raise algorithm.max_sampling_rounds or disable algorithm.dynamic_sampling")
+    return kept[: wanted * n], {"rollout/dropped_groups": float(dropped), "rollout/sampling_rounds": float(rounds)}
 
 
 def rollout_metrics(cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
@@ -66,30 +82,43 @@ def save(cfg: RunConfig, trainer: Any, run_dir: Path, state: LoopState, source: 
     return path
 
 
+def rl_step(cfg: RunConfig, manager: RolloutManager, trainer: Any, source: PromptSource,
+            state: LoopState) -> dict[str, float]:
+    started = time.perf_counter()
+    samples, sampling = collect_rollouts(cfg, manager, source, seed=cfg.seed * 100_003 + state.step * 97)
+    stale = {s.weight_version for s in samples} - {str(state.weight_version)}
+    if stale:  # the sync loop never trains on samples from an older policy
+        raise RuntimeError(f"samples from weight versions {stale}, expected {state.weight_version}")
+    generated = time.perf_counter()
+    metrics = rollout_metrics(cfg, samples) | sampling | ray.get(trainer.train_step.remote(samples))
+    return metrics | {"time/rollout_seconds": generated - started, "time/train_seconds": time.perf_counter() - generated}
+
+
+def sft_step(cfg: RunConfig, tokenizer: Any, trainer: Any, source: PromptSource, state: LoopState) -> dict[str, float]:
+    started = time.perf_counter()
+    batch = sft_samples(source.next_batch(cfg.rollout.num_prompts_per_step), tokenizer)
+    loss = ray.get(trainer.sft_step.remote(batch))
+    return {"train/loss": loss, "time/train_seconds": time.perf_counter() - started}
+
+
 def run_sync_loop(cfg: RunConfig, trainer: Any, engines: list[Any], transport: WeightTransport,
-                  source: PromptSource, run_dir: Path, state: LoopState,
+                  source: PromptSource, run_dir: Path, state: LoopState, tokenizer: Any,
                   on_metrics: MetricsFn, on_checkpoint: Callable[[int], None],
                   on_step: Callable[[LoopState], None] = lambda s: None) -> LoopState:
     manager = RolloutManager(engines, cfg.rollout, cfg.rollout.reward)
     while state.step < cfg.training.num_steps:
         started = time.perf_counter()
-        prompts = source.next_batch(cfg.rollout.num_prompts_per_step)
-        samples = manager.generate(prompts, seed=cfg.seed * 100_003 + state.step * 97)
-        stale = {s.weight_version for s in samples} - {str(state.weight_version)}
-        if stale:  # the sync loop never trains on samples from an older policy
-            raise RuntimeError(f"samples from weight versions {stale}, expected {state.weight_version}")
-        generated = time.perf_counter()
-        assign_advantages(cfg, samples)
-        metrics = rollout_metrics(cfg, samples) | ray.get(trainer.train_step.remote(samples))
-        trained = time.perf_counter()
+        if cfg.algorithm.name == "sft":
+            metrics = sft_step(cfg, tokenizer, trainer, source, state)
+        else:
+            metrics = rl_step(cfg, manager, trainer, source, state)
         if not math.isfinite(metrics["train/loss"]):  # permanent: a retry would diverge again
             raise FloatingPointError(f"non-finite loss at step {state.step + 1}: {metrics['train/loss']}; "
                                      "lower training.lr or check the rewards")
         state.step += 1
         state.weight_version += 1
         metrics |= transport.push(trainer, engines, state.weight_version)
-        metrics |= {"time/rollout_seconds": generated - started, "time/train_seconds": trained - generated,
-                    "time/step_seconds": time.perf_counter() - started}
+        metrics["time/step_seconds"] = time.perf_counter() - started
         state.history.append({"step": state.step, **metrics})
         on_metrics(state.step, metrics)
         if state.step % cfg.checkpoint.interval_steps == 0 or state.step == cfg.training.num_steps:

@@ -71,7 +71,7 @@ class MetricsLogger:
     that recomputes steps never writes them twice and never leaves a gap.
     """
 
-    def __init__(self, uri: str, run_id: str, probe_metric: str = "rollout/reward_mean"):
+    def __init__(self, uri: str, run_id: str, probe_metric: str = "time/step_seconds"):
         self.client, self.run_id = client_for(uri), run_id
         history = self.client.get_metric_history(run_id, probe_metric)
         self.logged_through = max((m.step for m in history), default=0)

@@ -35,6 +35,7 @@ class TrainSpec:
     model_dir: str
     train_path: str
     run_dir: str
+    teacher_dir: str | None = None
 
 
 @dataclass
@@ -46,12 +47,13 @@ class TrainResult:
     history: list[dict]
 
 
-def start_actors(cfg: RunConfig, model_dir: str):
+def start_actors(cfg: RunConfig, model_dir: str, teacher_dir: str | None = None):
     trainer_cls = ray.remote(num_cpus=cfg.training.cpus_per_trainer, num_gpus=cfg.training.gpus_per_trainer)(FSDPTrainer)
     engine_cls = ray.remote(num_cpus=cfg.rollout.cpus_per_engine, num_gpus=cfg.rollout.gpus_per_engine,
                             max_restarts=2)(EmbeddedEngine)
     trainer = trainer_cls.remote(model_dir, cfg.training, cfg.algorithm, cfg.rollout.temperature,
-                                 cfg.rollout.max_new_tokens, cfg.seed)
+                                 cfg.rollout.max_new_tokens, cfg.seed, cfg.rollout.num_samples_per_prompt,
+                                 teacher_dir)
     engines = [engine_cls.remote(model_dir, cfg.model.dtype, cfg.training.num_threads)
                for _ in range(cfg.rollout.num_engines)]
     ray.get([trainer.__ray_ready__.remote(), *[e.__ray_ready__.remote() for e in engines]])
@@ -65,15 +67,15 @@ def run_training(spec: TrainSpec, on_metrics: MetricsFn = lambda step, m: None,
     run_dir = Path(spec.run_dir)
     tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
     source = PromptSource(read_prompts(spec.train_path, cfg.data, tokenizer), seed=cfg.seed)
-    trainer, engines = start_actors(cfg, spec.model_dir)
+    trainer, engines = start_actors(cfg, spec.model_dir, spec.teacher_dir)
     try:
-        return _resume_and_loop(cfg, run_dir, source, trainer, engines, on_metrics, on_checkpoint, on_step)
+        return _resume_and_loop(cfg, run_dir, source, tokenizer, trainer, engines, on_metrics, on_checkpoint, on_step)
     finally:  # a failed attempt must not leave actors holding CPUs/GPUs for the retry
         for actor in [trainer, *engines]:
             ray.kill(actor)
 
 
-def _resume_and_loop(cfg: RunConfig, run_dir: Path, source: PromptSource, trainer, engines,
+def _resume_and_loop(cfg: RunConfig, run_dir: Path, source: PromptSource, tokenizer, trainer, engines,
                      on_metrics, on_checkpoint, on_step) -> TrainResult:
     checkpoints = run_dir / "checkpoints"
     transport = TRANSPORTS[cfg.rollout.weight_transport](verify=cfg.rollout.verify_weight_sync)
@@ -89,7 +91,8 @@ def _resume_and_loop(cfg: RunConfig, run_dir: Path, source: PromptSource, traine
         log.info("resumed from checkpoint step %d (%s)", resumed_from, path)
     else:
         ckpt.discard_after(checkpoints, -1)
-    state = run_sync_loop(cfg, trainer, engines, transport, source, run_dir, state, on_metrics, on_checkpoint, on_step)
+    state = run_sync_loop(cfg, trainer, engines, transport, source, run_dir, state, tokenizer,
+                          on_metrics, on_checkpoint, on_step)
     export_dir = run_dir / "hf_export"
     ray.get(trainer.export_hf.remote(str(export_dir)))
     final = ckpt.latest_complete_checkpoint(checkpoints)

@@ -9,15 +9,8 @@ from typing import Callable
 import ray
 
 from miles_core.config import RunConfig
-from miles_core.data import Prompt, Sample
+from miles_core.data import Prompt, sft_samples
 from miles_core.training.fsdp import FSDPTrainer
-
-
-def sft_samples(prompts: list[Prompt], tokenizer) -> list[Sample]:
-    """Prompt + label + eos, with the loss on the label and eos tokens."""
-    eos = tokenizer.eos_token_id
-    return [Sample(p.index, p.input_ids, tokenizer(p.label, add_special_tokens=False)["input_ids"] + [eos], p.label)
-            for p in prompts]
 
 
 def run_sft_warmup(cfg: RunConfig, model_dir: str, prompts: list[Prompt], tokenizer, out_dir: str | Path,

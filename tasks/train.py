@@ -26,7 +26,8 @@ def train(spec: dict, mlflow_uri: str, mlflow_run_id: str) -> dict:
 
         def on_step(state) -> None:
             last = state.history[-1]
-            info = f"reward {last['rollout/reward_mean']:.3f}  step {last['time/step_seconds']:.2f}s"
+            score = f"reward {last['rollout/reward_mean']:.3f}" if "rollout/reward_mean" in last else f"loss {last['train/loss']:.3f}"
+            info = f"{score}  step {last['time/step_seconds']:.2f}s"
             progress.update(bar, completed=state.step, info=info)
 
         def on_checkpoint(step: int) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 from pathlib import Path
 from typing import Any
@@ -13,22 +12,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from miles_core import algorithms as algo
+from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.data import Sample
+from miles_core.training import state_io
 from miles_core.weights import weights_sha256
-
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -62,42 +54,64 @@ def pad_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         seq = s.prompt_ids + s.response_ids
         tokens[row, : len(seq)] = torch.tensor(seq)
         start, end = len(s.prompt_ids) - 1, len(seq) - 1
-        mask[row, start:end] = 1.0
+        mask[row, start:end] = torch.tensor(s.loss_mask, dtype=mask.dtype) if s.loss_mask else 1.0
         if s.rollout_logprobs:
             rollout_logp[row, start:end] = torch.tensor(s.rollout_logprobs)
     attention = (torch.arange(width)[None, :] < torch.tensor(
         [len(s.prompt_ids) + len(s.response_ids) for s in samples])[:, None]).long()
-    advantages = torch.tensor([s.advantage for s in samples])[:, None].expand(-1, width - 1)
-    return {"tokens": tokens, "attention": attention, "mask": mask,
-            "rollout_logp": rollout_logp, "advantages": advantages.contiguous()}
+    return {"tokens": tokens, "attention": attention, "mask": mask, "rollout_logp": rollout_logp,
+            "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32)}
+
+
+def _shard(model: torch.nn.Module) -> torch.nn.Module:
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _select(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    return {k: v[rows] for k, v in batch.items()}
 
 
 class FSDPTrainer:
-    """Owns the policy, its optimizer and scheduler; speaks HF parameter names."""
+    """Owns the policy (and critic/reference/teacher when the objective needs them), their
+    optimizers and schedulers; speaks HF parameter names."""
 
     def __init__(self, model_dir: str, training: TrainingConfig, algorithm: AlgorithmConfig,
-                 temperature: float = 1.0, max_new_tokens: int = 8, seed: int = 0):
+                 temperature: float = 1.0, max_new_tokens: int = 8, seed: int = 0, group_size: int = 1,
+                 teacher_dir: str | None = None):
         torch.set_num_threads(training.num_threads)
         torch.manual_seed(seed)
         self.owns_process_group = ensure_process_group()
-        self.training, self.algorithm = training, algorithm
+        self.training, self.algorithm, self.group_size = training, algorithm, group_size
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = _shard(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)).train()
         self.tied = bool(self.model.config.tie_word_embeddings)
-        for layer in self.model.model.layers:
-            fully_shard(layer)
-        fully_shard(self.model)
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=training.lr,
-                                           betas=tuple(training.adam_betas), weight_decay=training.weight_decay)
-        warmup = training.lr_warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
-        self.reference = None
-        if algorithm.kl_loss_coef > 0:
-            self.reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.optimizer, self.scheduler = self._optimizer(self.model, training.lr)
+        self.critic = self.critic_optimizer = self.critic_scheduler = None
+        if algorithm.uses_critic:
+            self.critic = _shard(AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1,
+                                                                                  dtype=torch.float32)).train()
+            self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic, algorithm.critic_lr)
+        self.reference = self._frozen(model_dir) if objectives.needs_reference(algorithm) else None
+        self.teacher = self._frozen(teacher_dir) if algorithm.effective_opd_coef > 0 else None
         self.step = 0
+
+    def _optimizer(self, model: torch.nn.Module, lr: float):
+        t = self.training
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+        warmup = t.lr_warmup_steps
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        return optimizer, schedule
+
+    @staticmethod
+    def _frozen(model_dir: str | None) -> torch.nn.Module:
+        if model_dir is None:
+            raise ValueError("a teacher model directory is required for distillation")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        return model.requires_grad_(False)
 
     def close(self) -> None:
         if self.owns_process_group and dist.is_initialized():
@@ -110,95 +124,122 @@ class FSDPTrainer:
         logp = torch.log_softmax(logits, dim=-1).gather(-1, batch["tokens"][:, 1:, None]).squeeze(-1)
         return logp, (algo.entropy_from_logits(logits) if with_entropy else None)
 
-    def _micro_batches(self, samples: list[Sample]) -> list[dict[str, torch.Tensor]]:
+    def _values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # The value at position t scores the state that predicts token t+1 (next-token layout).
+        return self.critic(input_ids=batch["tokens"], attention_mask=batch["attention"]).logits[:, :-1, 0].float()
+
+    def _row_slices(self, num_rows: int) -> list[slice]:
         size = self.training.micro_batch_size
-        return [pad_batch(samples[i : i + size], self.tokenizer.pad_token_id) for i in range(0, len(samples), size)]
+        return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
+
+    @torch.no_grad()
+    def _score(self, batch: dict[str, torch.Tensor]) -> None:
+        """Old-policy, reference, teacher log-probs and old values, micro-batch by micro-batch."""
+        scorers = {"old_logp": lambda mb: self._token_logprobs(self.model, mb)[0]}
+        if self.reference is not None:
+            scorers["ref_logp"] = lambda mb: self._token_logprobs(self.reference, mb)[0]
+        if self.teacher is not None:
+            scorers["teacher_logp"] = lambda mb: self._token_logprobs(self.teacher, mb)[0]
+        if self.critic is not None:
+            scorers["old_values"] = self._values
+        for key, scorer in scorers.items():
+            batch[key] = torch.cat([scorer(_select(batch, rows)) for rows in self._row_slices(len(batch["tokens"]))])
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Trainer log-probs of each sample's response tokens (for mismatch checks)."""
-        out = []
-        for mb in self._micro_batches(samples):
-            logp, _ = self._token_logprobs(self.model, mb)
-            for row in range(logp.shape[0]):
-                out.append(logp[row][mb["mask"][row] > 0].tolist())
-        return out[: len(samples)]
+        batch = pad_batch(samples, self.tokenizer.pad_token_id)
+        self._score(batch)
+        return [batch["old_logp"][row][batch["mask"][row] > 0].tolist() for row in range(len(samples))]
 
     # ---- one RL step ----------------------------------------------------------------------
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """Policy-gradient update(s) on one rollout batch; returns scalar metrics."""
+        """Score, compute advantages over the whole batch, then policy/critic update(s)."""
+        cfg = self.algorithm
+        batch = pad_batch(samples, self.tokenizer.pad_token_id)
+        self._score(batch)
+        objectives.compute_advantages(cfg, batch, self.group_size)
+        weights = objectives.importance_weights(cfg, batch)
+        batch["is_weights"] = weights if weights is not None else torch.ones_like(batch["mask"])
+        mask = batch["mask"]
+        metrics = {k: float(v) for k, v in algo.mismatch_metrics(batch["old_logp"], batch["rollout_logp"], mask).items()}
+        metrics["rollout/train_logprob_abs_diff"] = metrics["mismatch/logprob_abs_diff"]
+        metrics["train/advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
+        if self.teacher is not None:
+            metrics["opd/reverse_kl"] = float(((batch["old_logp"] - batch["teacher_logp"]) * mask).sum() / mask.sum())
         num_updates = self.training.num_updates_per_step
         chunk = -(-len(samples) // num_updates)
-        metrics: dict[str, float] = {}
-        for update in range(num_updates):
-            part = samples[update * chunk : (update + 1) * chunk]
-            if part:
-                metrics = self._update(part, first=(update == 0), metrics=metrics)
+        for start in range(0, len(samples), chunk):
+            metrics |= self._update(_select(batch, slice(start, start + chunk)))
         self.step += 1
+        if cfg.ref_refresh_interval_steps and self.reference is not None and self.step % cfg.ref_refresh_interval_steps == 0:
+            self.reference.load_state_dict(self._full_weights(), strict=False)
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def _update(self, samples: list[Sample], first: bool, metrics: dict[str, float]) -> dict[str, float]:
-        batches = self._micro_batches(samples)
-        with torch.no_grad():
-            for mb in batches:
-                mb["old_logp"], _ = self._token_logprobs(self.model, mb)
-                if self.reference is not None:
-                    mb["ref_logp"], _ = self._token_logprobs(self.reference, mb)
-        totals = {"num_tokens": sum(float(mb["mask"].sum()) for mb in batches), "num_seqs": float(len(samples))}
+    def _update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        train_policy = self.step >= self.algorithm.critic_warmup_steps
+        totals = {"num_tokens": float(batch["mask"].sum()), "num_seqs": float(len(batch["tokens"]))}
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for mb in batches:
-            loss, parts = self._loss(mb, totals)
+        for rows in self._row_slices(len(batch["tokens"])):
+            mb = _select(batch, rows)
+            loss, parts = self._loss(mb, totals) if train_policy else (torch.zeros(()), {})
+            if self.critic is not None:
+                value_loss = algo.value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["mask"],
+                                             self.algorithm.value_clip) * (len(mb["tokens"]) / totals["num_seqs"])
+                loss = loss + value_loss
+                parts["train/value_loss"] = float(value_loss.detach())
             loss.backward()
             for key, value in parts.items():
                 sums[key] = sums.get(key, 0.0) + value
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.training.grad_clip)
-        self.optimizer.step()
+        if train_policy:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.training.grad_clip)
+            sums["train/grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            self.optimizer.step()
         self.scheduler.step()
-        sums["train/grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        if first:  # mismatch metrics are defined against the rollout, i.e. before any update
-            metrics.update({k: v for k, v in sums.items()})
-        else:
-            metrics.update({k: v for k, v in sums.items() if not k.startswith("rollout/")})
-        return metrics
+        if self.critic is not None:
+            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.training.grad_clip)
+            self.critic_optimizer.step()
+            self.critic_scheduler.step()
+        sums.setdefault("train/loss", sums.get("train/value_loss", 0.0))
+        return sums
 
     def _loss(self, mb: dict[str, torch.Tensor], totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
         cfg, mask = self.algorithm, mb["mask"]
-        want_entropy = cfg.entropy_coef > 0
-        logp, entropy = self._token_logprobs(self.model, mb, with_entropy=want_entropy)
-        token_loss, clipped, ratio = algo.clipped_policy_loss(
-            logp, mb["old_logp"], mb["advantages"], cfg.eps_clip_low, cfg.eps_clip_high)
+        logp, entropy = self._token_logprobs(self.model, mb, with_entropy=cfg.entropy_coef > 0)
+        token_loss, clipped, _ = objectives.policy_token_loss(cfg, logp, mb)
 
-        def agg(values: torch.Tensor) -> torch.Tensor:  # micro-batch share of the global mean
+        def agg(values: torch.Tensor) -> torch.Tensor:  # this micro-batch's share of the batch aggregate
             return algo.aggregate(values, mask, cfg.loss_aggregation, self.max_new_tokens,
                                   num_tokens=totals["num_tokens"], num_seqs=totals["num_seqs"])
 
-        loss = agg(token_loss)
-        parts = {"train/pg_loss": float(loss), "train/clip_frac": float(agg(clipped)),
+        loss = agg(token_loss * mb["is_weights"])
+        parts = {"train/pg_loss": float(loss.detach()), "train/clip_frac": float(agg(clipped)),
                  "train/ppo_kl": float(agg(mb["old_logp"] - logp.detach()))}
         if entropy is not None:
             ent = agg(entropy)
             loss = loss - cfg.entropy_coef * ent
-            parts["train/entropy"] = float(ent)
-        if self.reference is not None:
+            parts["train/entropy"] = float(ent.detach())
+        if cfg.kl_loss_coef > 0:
             kl = agg(algo.kl_estimate(logp, mb["ref_logp"], cfg.kl_estimator))
             loss = loss + cfg.kl_loss_coef * kl
-            parts["train/kl_loss"] = float(kl)
-        diff = (mb["old_logp"] - mb["rollout_logp"]).abs()
-        parts["rollout/train_logprob_abs_diff"] = float(agg(diff))
-        parts["train/loss"] = float(loss)
+            parts["train/kl_loss"] = float(kl.detach())
+        parts["train/loss"] = float(loss.detach())
         return loss, parts
 
     def sft_step(self, samples: list[Sample]) -> float:
-        """One supervised step: -mean log p(response tokens)."""
+        """One supervised step: agg(-log p) over the trainable response tokens."""
+        batch = pad_batch(samples, self.tokenizer.pad_token_id)
+        num_tokens = float(batch["mask"].sum())
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        batches = self._micro_batches(samples)
-        num_tokens = sum(float(mb["mask"].sum()) for mb in batches)
-        for mb in batches:
+        for rows in self._row_slices(len(samples)):
+            mb = _select(batch, rows)
             logp, _ = self._token_logprobs(self.model, mb)
-            loss = -(logp * mb["mask"]).sum() / num_tokens
+            loss = algo.sft_loss(logp, mb["mask"], num_tokens=num_tokens)
             loss.backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.training.grad_clip)
@@ -208,12 +249,12 @@ class FSDPTrainer:
         return total
 
     # ---- weights out ------------------------------------------------------------------------
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        return state_io.full_weights(self.model)
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights under Hugging Face names, on CPU."""
-        state = get_model_state_dict(self.model, options=FULL)
-        if self.tied:
-            state.pop("lm_head.weight", None)
-        return {k: v.contiguous() for k, v in state.items()}
+        """Full (unsharded) weights under Hugging Face names, on CPU (tied head dropped)."""
+        return state_io.full_weights(self.model, drop_tied_head=self.tied)
 
     def weights_sha256(self) -> str:
         return weights_sha256(self.hf_state_dict())
@@ -230,55 +271,35 @@ class FSDPTrainer:
         return out_dir
 
     # ---- checkpoints ----------------------------------------------------------------------------
+    def _modules(self):
+        yield "policy", self.model, self.optimizer, self.scheduler
+        if self.critic is not None:
+            yield "critic", self.critic, self.critic_optimizer, self.critic_scheduler
+
     def save_state(self, out_dir: str | Path, extra: dict[str, Any]) -> None:
-        """Model, optimizer, scheduler and RNG state as safetensors + JSON files in out_dir."""
+        """Policy (+critic) weights, optimizers, schedulers, reference and RNG in out_dir."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_file(self.hf_state_dict(), str(out_dir / "model.safetensors"))
-        optim = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
-        tensors = {f"{fqn}::{key}": value.detach().cpu().contiguous()
-                   for fqn, entry in optim["state"].items() for key, value in entry.items()}
-        tensors["__rng__::torch"] = torch.get_rng_state()
-        save_file(tensors, str(out_dir / "optimizer.safetensors"))
-        meta = {
-            "param_groups": optim["param_groups"],
-            "scheduler": {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"},
-            "python_rng": _encode_python_rng(random.getstate()),
-            "trainer_step": self.step,
-            **extra,
-        }
-        (out_dir / "trainer_state.json").write_text(json.dumps(meta, indent=1))
+        meta: dict[str, Any] = {"modules": {}}
+        for name, model, optimizer, scheduler in self._modules():
+            meta["modules"][name] = state_io.save_module(out_dir, name, model, optimizer, scheduler, self.tied)
+        if self.reference is not None and self.algorithm.ref_refresh_interval_steps:
+            save_file({k: v.contiguous() for k, v in self.reference.state_dict().items()},
+                      str(out_dir / "reference.safetensors"))
+        rng_tensors, meta["python_rng"] = state_io.rng_state()
+        save_file(rng_tensors, str(out_dir / "rng.safetensors"))
+        meta["trainer_step"] = self.step
+        (out_dir / "trainer_state.json").write_text(json.dumps({**meta, **extra}, indent=1))
 
     def load_state(self, ckpt_dir: str | Path) -> dict[str, Any]:
         """Restore everything save_state wrote; returns the `extra` dict given at save time."""
         ckpt_dir = Path(ckpt_dir)
-        weights = load_file(str(ckpt_dir / "model.safetensors"))
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        if self.tied:
-            weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-        set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True))
-        flat = load_file(str(ckpt_dir / "optimizer.safetensors"))
         meta = json.loads((ckpt_dir / "trainer_state.json").read_text())
-        torch.set_rng_state(flat.pop("__rng__::torch"))
-        state: dict[str, dict[str, torch.Tensor]] = {}
-        for name, value in flat.items():
-            fqn, _, key = name.rpartition("::")
-            state.setdefault(fqn, {})[key] = value
-        set_optimizer_state_dict(self.model, self.optimizer,
-                                 {"state": state, "param_groups": meta.pop("param_groups")},
-                                 options=StateDictOptions(full_state_dict=True))
-        self.scheduler.load_state_dict({**meta.pop("scheduler"), "lr_lambdas": [None]})
-        random.setstate(_decode_python_rng(meta.pop("python_rng")))
+        modules = meta.pop("modules")
+        for name, model, optimizer, scheduler in self._modules():
+            state_io.load_module(ckpt_dir, name, model, optimizer, scheduler, modules[name], self.tied)
+        if (ckpt_dir / "reference.safetensors").is_file() and self.reference is not None:
+            self.reference.load_state_dict(load_file(str(ckpt_dir / "reference.safetensors")))
+        state_io.set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), meta.pop("python_rng"))
         self.step = int(meta.pop("trainer_step"))
         return meta
-
-
-def _encode_python_rng(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _decode_python_rng(state: list) -> tuple:
-    version, internal, gauss = state
-    return version, tuple(internal), gauss

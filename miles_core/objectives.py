@@ -1,0 +1,92 @@
+"""From an AlgorithmConfig to advantages, importance weights and the policy loss.
+
+The one place where algorithm names branch; the trainer backends only call these. Batch
+tensors are [B, T] in next-token layout with a float mask of trainable tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from miles_core import algorithms as algo
+from miles_core.config import AlgorithmConfig
+
+Batch = dict[str, torch.Tensor]
+
+
+def needs_reference(cfg: AlgorithmConfig) -> bool:
+    return cfg.kl_loss_coef > 0 or cfg.kl_in_reward_coef > 0
+
+
+def _reward_kl(cfg: AlgorithmConfig, b: Batch) -> torch.Tensor | None:
+    if cfg.kl_in_reward_coef == 0:
+        return None
+    return algo.kl_estimate(b["old_logp"], b["ref_logp"], cfg.kl_estimator) * b["mask"]
+
+
+def _group(cfg: AlgorithmConfig, b: Batch, group_size: int) -> torch.Tensor:
+    rewards = b["rewards"]
+    if cfg.group_normalize:
+        rewards = algo.grpo_advantages(rewards, group_size, cfg.normalize_std)
+    return rewards[:, None] * b["mask"]
+
+
+def _reinforce_pp(cfg: AlgorithmConfig, b: Batch, group_size: int) -> torch.Tensor:
+    return algo.reinforce_pp_returns(b["rewards"], b["mask"], _reward_kl(cfg, b), cfg.kl_in_reward_coef, cfg.gamma)
+
+
+def _reinforce_pp_baseline(cfg: AlgorithmConfig, b: Batch, group_size: int) -> torch.Tensor:
+    return algo.reinforce_pp_baseline_advantages(b["rewards"], group_size, b["mask"], _reward_kl(cfg, b),
+                                                 cfg.kl_in_reward_coef)
+
+
+def _gae(cfg: AlgorithmConfig, b: Batch, group_size: int) -> torch.Tensor:
+    advantages, b["returns"] = algo.gae_advantages(b["rewards"], b["old_values"], b["mask"], _reward_kl(cfg, b),
+                                                   cfg.kl_in_reward_coef, cfg.gamma, cfg.lam)
+    return algo.masked_whiten(advantages, b["mask"])
+
+
+def _no_reward(cfg: AlgorithmConfig, b: Batch, group_size: int) -> torch.Tensor:
+    return torch.zeros_like(b["mask"])
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[AlgorithmConfig, Batch, int], torch.Tensor]] = {
+    "grpo": _group, "gspo": _group, "cispo": _group, "ppo": _gae,
+    "reinforce_pp": _reinforce_pp, "reinforce_pp_baseline": _reinforce_pp_baseline, "opd": _no_reward,
+}
+
+
+def compute_advantages(cfg: AlgorithmConfig, b: Batch, group_size: int) -> None:
+    """Fill b["advantages"] (and b["returns"] for PPO) for the whole batch at once, so that
+    group statistics and whitening see every sample."""
+    advantages = ADVANTAGE_ESTIMATORS[cfg.name](cfg, b, group_size)
+    if cfg.effective_opd_coef > 0:
+        advantages = algo.opd_adjust_advantages(advantages, b["old_logp"], b["teacher_logp"], b["mask"],
+                                                cfg.effective_opd_coef)
+    b["advantages"] = advantages.to(b["mask"].dtype)
+
+
+def importance_weights(cfg: AlgorithmConfig, b: Batch) -> torch.Tensor | None:
+    """Rollout-mismatch weights w [B, T] (None when no correction is configured)."""
+    c = cfg.correction
+    if c.kind == "tis":
+        return algo.tis_weights(b["old_logp"], b["rollout_logp"], b["mask"], c.low, c.high)
+    if c.kind == "icepop":
+        return algo.icepop_weights(b["old_logp"], b["rollout_logp"], b["mask"], c.low, c.high)
+    if c.kind == "mis":
+        return algo.mis_weights(b["old_logp"], b["rollout_logp"], b["mask"], c.level, c.mode, c.low, c.high,
+                                c.veto_threshold)
+    return None
+
+
+def policy_token_loss(cfg: AlgorithmConfig, logp: torch.Tensor, b: Batch):
+    """(loss [B,T], clipped [B,T], ratio [B,T]) of the configured policy objective."""
+    if cfg.name == "gspo":
+        return algo.gspo_policy_loss(logp, b["old_logp"], b["advantages"], b["mask"], cfg.eps_clip_low,
+                                     cfg.eps_clip_high, dual_clip_c=cfg.dual_clip_c)
+    if cfg.name == "cispo":
+        return algo.cispo_loss(logp, b["old_logp"], b["advantages"], cfg.eps_clip_low, cfg.eps_clip_high)
+    return algo.clipped_policy_loss(logp, b["old_logp"], b["advantages"], cfg.eps_clip_low, cfg.eps_clip_high,
+                                    dual_clip_c=cfg.dual_clip_c)

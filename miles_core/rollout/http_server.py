@@ -1,0 +1,556 @@
+"""The embedded engine behind SGLang's native HTTP API (the subset in shared/sglang-api.md).
+
+It lets CPU CI run the exact HTTP path a GPU cluster runs against `sglang.launch_server`:
+the same client, launcher, router and weight-update calls. Launch it like SGLang:
+
+    python -m miles_core.rollout.http_server --model-path DIR --host 127.0.0.1 --port 30000
+
+Generation runs in a worker thread so /health and /abort_request stay responsive; one lock
+serialises generation and weight updates, so weights never change mid-generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from safetensors.torch import load_file
+from starlette.concurrency import run_in_threadpool
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.rollout.sglang_client import KNOWN_SERVER_ARGS, init_custom_process_group
+
+logger = logging.getLogger(__name__)
+SERVER_VERSION = "miles-embedded-1"
+PAUSE_MODES = ("abort", "retract", "in_place")
+DTYPES = {"auto": "float32", "float": "float32", "half": "float16"}
+# What EmbeddedEngine honours; other SGLang sampling params (stop strings, min_p, penalties,
+# min_new_tokens) are accepted and ignored, with one warning per key.
+SUPPORTED_SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"}
+
+
+class _Request:
+    """One /generate call in flight (a batch shares one record: aborting any of its rids
+    aborts the whole call, since the batch is one transformers generate)."""
+
+    def __init__(self, rids: list[str]):
+        self.rids = rids
+        self.aborted = threading.Event()
+        self.stopped_early = False
+
+
+class _AbortCriteria(StoppingCriteria):
+    """Checked by transformers after every decode step: ends the running batch on abort."""
+
+    def __init__(self, service: "EngineService"):
+        self.service = service
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        req = self.service.current
+        stop = req is not None and req.aborted.is_set()
+        if stop:
+            req.stopped_early = True
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+class EngineService:
+    """Everything behind the routes: the engine, its lock, in-flight requests, the pause gate
+    and the weight-update groups."""
+
+    def __init__(self, model_path: str, tokenizer_path: str | None = None, server_args: dict | None = None,
+                 dtype: str = "float32", num_threads: int | None = None, weight_version: str | None = None,
+                 group_timeout_seconds: float = 600.0):
+        self.model_path = str(model_path)
+        self.tokenizer_path = str(tokenizer_path or model_path)
+        self.server_args = dict(server_args or {})
+        self.dtype = DTYPES.get(dtype, dtype)
+        self.num_threads = num_threads
+        self.initial_version = weight_version
+        self.group_timeout_seconds = group_timeout_seconds
+        self.engine: EmbeddedEngine | None = None
+        self.load_error: BaseException | None = None
+        self.loaded = threading.Event()
+        self.lock = threading.Lock()
+        self.current: _Request | None = None
+        self.requests: dict[int, _Request] = {}
+        self.paused = False
+        self.groups: dict[str, Any] = {}
+        self.warned_params: set[str] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        try:
+            engine = EmbeddedEngine(self.model_path, dtype=self.dtype, num_threads=self.num_threads)
+            if self.initial_version is not None:
+                engine.weight_version = str(self.initial_version)
+            _install_abort_hook(engine, _AbortCriteria(self))
+            self.engine = engine
+        except BaseException as exc:  # surfaced by wait_ready / the health endpoint's log
+            logger.exception("loading %s failed", self.model_path)
+            self.load_error = exc
+        finally:
+            self.loaded.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    # ---- requests, abort and pause --------------------------------------------------------
+
+    def register(self, rids: list[str]) -> _Request:
+        req = _Request(rids)
+        self.requests[id(req)] = req
+        return req
+
+    def unregister(self, req: _Request) -> None:
+        self.requests.pop(id(req), None)
+
+    def abort(self, rid: str | None = None) -> int:
+        hits = [r for r in list(self.requests.values()) if rid is None or rid in r.rids]
+        for req in hits:
+            req.aborted.set()
+        return len(hits)
+
+    async def wait_unpaused(self, req: _Request) -> None:
+        # Polling keeps one code path for both wake-ups (continue, or an abort from any thread).
+        while self.paused and not req.aborted.is_set():
+            await asyncio.sleep(0.02)
+
+    def pause(self, mode: str) -> None:
+        """'abort' ends running and queued requests; 'retract' and 'in_place' let the running
+        batch finish (one transformers call cannot be suspended) and hold new ones."""
+        self.paused = True
+        if mode == "abort":
+            self.abort()
+
+    # ---- generation (worker thread) -------------------------------------------------------
+
+    def generate(self, req: _Request, prompts: list[list[int]], body: dict) -> list[dict]:
+        params = self._sampling_params(body.get("sampling_params"))
+        want_logprob = bool(body.get("return_logprob", False))
+        start = body.get("logprob_start_len")
+        with self.lock:
+            if req.aborted.is_set():
+                return [self._empty(p, {"type": "abort", "message": "aborted before it ran"}) for p in prompts]
+            self.current = req
+            try:
+                if int(params["max_new_tokens"]) == 0:
+                    outs = [self._empty(p, {"type": "length", "length": 0}) for p in prompts]
+                else:
+                    outs = self.engine.generate(prompts, params, return_logprob=want_logprob,
+                                                seed=params.get("sampling_seed"))
+                if want_logprob and start is not None and int(start) >= 0:
+                    for out, prompt in zip(outs, prompts):
+                        out["meta_info"]["input_token_logprobs"] = self._score(prompt, int(start))
+            finally:
+                self.current = None
+        if req.stopped_early:
+            for out in outs:
+                out["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted by request"}
+        return outs
+
+    def _sampling_params(self, params: dict | list | None) -> dict:
+        if isinstance(params, list):  # per-prompt params: one transformers call takes one set
+            if any(p != params[0] for p in params):
+                raise ValueError("per-prompt sampling_params must all be equal on the embedded engine")
+            params = params[0] if params else {}
+        params = {"max_new_tokens": 128, **(params or {})}  # 128 is SGLang's default
+        for key in sorted(set(params) - SUPPORTED_SAMPLING - self.warned_params):
+            logger.warning("sampling param %r is ignored by the embedded engine", key)
+            self.warned_params.add(key)
+        return params
+
+    def _empty(self, prompt: list[int], finish: dict) -> dict:
+        meta = {"finish_reason": finish, "prompt_tokens": len(prompt), "completion_tokens": 0,
+                "output_token_logprobs": [], "weight_version": self.engine.weight_version}
+        return {"text": "", "output_ids": [], "meta_info": meta}
+
+    @torch.no_grad()
+    def _score(self, prompt: list[int], start: int) -> list[list]:
+        """[logprob, token_id, None] per input token from `start`; position 0 has no context,
+        so its logprob is None (as in SGLang)."""
+        ids = torch.tensor([prompt], device=self.engine.device)
+        logits = self.engine.model(input_ids=ids).logits[0].float()
+        picked = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        entries = [[None, prompt[0], None]] + [[lp, tok, None] for lp, tok in zip(picked, prompt[1:])]
+        return entries[start:]
+
+    # ---- weights (worker thread) ----------------------------------------------------------
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> dict:
+        """Copy (a subset of) HF-named tensors into the live model. Callers hold self.lock."""
+        state = self.engine.model.state_dict()  # shares storage with the parameters
+        unknown = sorted(set(tensors) - set(state))
+        if unknown:
+            return _result(False, f"unknown parameter names: {unknown[:5]}")
+        wrong = [n for n, t in tensors.items() if tuple(t.shape) != tuple(state[n].shape)]
+        if wrong:
+            return _result(False, f"shape mismatch for {wrong[:5]}")
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                state[name].copy_(tensor)
+        if weight_version is not None:
+            self.engine.weight_version = str(weight_version)
+        return _result(True, f"updated {len(tensors)} tensors; weight version {self.engine.weight_version}")
+
+    def update_from_disk(self, body: dict) -> dict:
+        model_path = body.get("model_path", "")
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            return _result(False, f"no *.safetensors files in {model_path}")
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            tensors.update(load_file(str(file)))
+        with self.lock:
+            result = self.load_tensors(tensors, body.get("weight_version"))
+        if result["success"]:
+            self.model_path = str(model_path)
+        return result
+
+    def init_group(self, body: dict) -> dict:
+        name = body["group_name"]
+        if name in self.groups:
+            return _result(False, f"group {name!r} already exists")
+        self.groups[name] = init_custom_process_group(
+            backend=body.get("backend", "gloo"),
+            init_method=f"tcp://{body['master_address']}:{body['master_port']}",
+            world_size=int(body["world_size"]), rank=int(body["rank_offset"]), group_name=name,
+            timeout=timedelta(seconds=self.group_timeout_seconds))
+        return _result(True, f"joined group {name!r} as rank {body['rank_offset']}")
+
+    def update_from_distributed(self, body: dict) -> dict:
+        group = self.groups.get(body.get("group_name"))
+        if group is None:
+            return _result(False, f"no weights update group {body.get('group_name')!r}; call init first")
+        with self.lock:
+            tensors = {}
+            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+                tensors[name] = torch.empty(shape, dtype=_torch_dtype(dtype), device=self.engine.device)
+                torch.distributed.broadcast(tensors[name], src=0, group=group)
+            return self.load_tensors(tensors, body.get("weight_version"))
+
+    def destroy_group(self, body: dict) -> dict:
+        name = body.get("group_name", "")
+        group = self.groups.pop(name, None)
+        if group is None:
+            return _result(False, f"no weights update group {name!r}")
+        torch.distributed.destroy_process_group(group)
+        return _result(True, f"destroyed group {name!r}")
+
+    def weights_sha256(self) -> str:
+        with self.lock:
+            return self.engine.weights_sha256()
+
+
+def _install_abort_hook(engine: EmbeddedEngine, criteria: StoppingCriteria) -> None:
+    """EmbeddedEngine.generate takes no stopping criteria, so wrap its model's generate (on
+    this instance only) to add one; this is what lets /abort_request end a running batch."""
+    original = engine.model.generate
+
+    def generate(*args: Any, **kwargs: Any):
+        extra = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        extra.append(criteria)
+        return original(*args, stopping_criteria=extra, **kwargs)
+
+    engine.model.generate = generate
+
+
+def _result(success: bool, message: str) -> dict:
+    return {"success": success, "message": message}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _prompts(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
+    """Token-id prompts of a /generate body, and whether it was a single (non-batch) request."""
+    if body.get("input_ids") is not None:
+        ids = body["input_ids"]
+        single = not ids or isinstance(ids[0], int)
+        prompts = [ids] if single else ids
+    elif body.get("text") is not None:
+        single = isinstance(body["text"], str)
+        texts = [body["text"]] if single else body["text"]
+        prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    else:
+        raise ValueError("a /generate request needs input_ids or text")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    return [[int(t) for t in p] for p in prompts], single
+
+
+def _rids(rid: Any, n: int) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    rids = [rid] if isinstance(rid, str) else list(rid)
+    if len(rids) != n:
+        raise ValueError(f"{len(rids)} rids for {n} prompts")
+    return [str(r) for r in rids]
+
+
+async def _body(request: Request) -> dict:
+    # Control endpoints are called with no body at all (SGLang accepts that too).
+    if not (await request.body()).strip():
+        return {}
+    return await request.json() or {}
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _weights_response(result: dict) -> JSONResponse:
+    return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+
+def create_app(service: EngineService) -> FastAPI:
+    app = FastAPI(title="miles embedded engine (SGLang API)", openapi_url=None)
+    _add_info_routes(app, service)
+    _add_generate_routes(app, service)
+    _add_weight_routes(app, service)
+
+    @app.middleware("http")
+    async def require_model(request: Request, call_next):
+        # Everything but health and info needs the model; SGLang answers 503 while starting.
+        if not service.ready and request.url.path not in ("/health", "/health_generate", "/get_server_info"):
+            return _error(503, "model not loaded yet")
+        return await call_next(request)
+
+    return app
+
+
+def _add_info_routes(app: FastAPI, service: EngineService) -> None:
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        return Response(status_code=200 if service.ready else 503)
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        return {"model_path": service.model_path, "tokenizer_path": service.tokenizer_path,
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": service.engine.weight_version}
+
+    @app.get("/get_weight_version")
+    async def weight_version() -> dict:
+        return {"weight_version": service.engine.weight_version}
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        version = service.engine.weight_version if service.ready else service.initial_version
+        return {**service.server_args, "model_path": service.model_path,
+                "tokenizer_path": service.tokenizer_path, "weight_version": version,
+                "version": SERVER_VERSION,
+                "internal_states": [{"paused": service.paused, "in_flight": len(service.requests)}]}
+
+    @app.get("/get_weights_checksum")  # not SGLang: lets tests verify weights over HTTP
+    async def weights_checksum() -> dict:
+        return {"sha256": await run_in_threadpool(service.weights_sha256)}
+
+
+def _add_generate_routes(app: FastAPI, service: EngineService) -> None:
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        started = time.perf_counter()
+        body = await _body(request)
+        try:
+            prompts, single = _prompts(body, service.engine.tokenizer)
+            rids = _rids(body.get("rid"), len(prompts))
+        except (ValueError, TypeError) as exc:
+            return _error(400, str(exc))
+        req = service.register(rids)
+        try:
+            await service.wait_unpaused(req)
+            outs = await run_in_threadpool(service.generate, req, prompts, body)
+        except (ValueError, TypeError) as exc:  # bad sampling params: the caller's error
+            return _error(400, f"{type(exc).__name__}: {exc}")
+        finally:
+            service.unregister(req)
+        for out, rid in zip(outs, rids):
+            out["meta_info"].update(id=rid, cached_tokens=0, e2e_latency=time.perf_counter() - started)
+        return outs[0] if single else outs
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _body(request)
+        service.abort(None if body.get("abort_all") else body.get("rid"))
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        mode = (await _body(request)).get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            return _error(400, f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        service.pause(mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict:
+        service.paused = False
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # No KV cache survives a transformers call; refuse only while a batch runs, like SGLang.
+        busy = service.current is not None
+        return Response("Cache flushed.\n", status_code=400 if busy else 200)
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def memory_occupation() -> dict:
+        return _result(True, "no-op on CPU")
+
+
+def _weight_route(fn):
+    """An endpoint running `fn(body)` in a worker thread (it may block on the generation lock
+    or on a broadcast) and answering {"success", "message"}: 200 on success, else 400."""
+
+    async def endpoint(request: Request) -> JSONResponse:
+        try:
+            return _weights_response(await run_in_threadpool(fn, await _body(request)))
+        except Exception as exc:  # a bad request must answer, not kill the server
+            logger.exception("%s failed", request.url.path)
+            return _weights_response(_result(False, f"{type(exc).__name__}: {exc}"))
+
+    return endpoint
+
+
+def _add_weight_routes(app: FastAPI, service: EngineService) -> None:
+    for path, fn in {"/update_weights_from_disk": service.update_from_disk,
+                     "/init_weights_update_group": service.init_group,
+                     "/update_weights_from_distributed": service.update_from_distributed,
+                     "/destroy_weights_update_group": service.destroy_group}.items():
+        app.add_api_route(path, _weight_route(fn), methods=["POST"])
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await _body(request)
+        if body.get("new_version") is None:
+            return _weights_response(_result(False, "new_version is required"))
+        if body.get("abort_all_requests"):
+            service.abort()
+        service.engine.weight_version = version = str(body["new_version"])
+        return JSONResponse({**_result(True, f"Weight version updated to {version}"), "new_version": version})
+
+
+class ServerHandle:
+    """A running server: `.url`, `.engine`, `.wait_ready()`, `.stop()`."""
+
+    def __init__(self, service: EngineService, server: uvicorn.Server, thread: threading.Thread,
+                 host: str, port: int):
+        self.service, self._server, self._thread = service, server, thread
+        self.host, self.port = host, port
+        self.url = f"http://{host}:{port}"
+
+    @property
+    def engine(self) -> EmbeddedEngine | None:
+        return self.service.engine
+
+    def load_model(self) -> None:
+        threading.Thread(target=self.service.load, name="engine-load", daemon=True).start()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        if not self.service.loaded.wait(timeout):
+            raise TimeoutError(f"model not loaded after {timeout} s")
+        if self.service.load_error is not None:
+            raise RuntimeError(f"model failed to load: {self.service.load_error}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.service.abort()  # so a running batch ends and the graceful shutdown is quick
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 0, *, tokenizer_path: str | None = None,
+          server_args: dict | None = None, dtype: str = "float32", num_threads: int | None = None,
+          weight_version: str | None = None, load: bool = True, wait_ready: bool = True,
+          log_level: str = "warning", start_timeout: float = 30.0) -> ServerHandle:
+    """Start the server in a background thread. port=0 picks a free port (see `.url`).
+    With load=False the HTTP side is up (health answers 503) until `.load_model()`."""
+    service = EngineService(str(model_dir), tokenizer_path, server_args, dtype, num_threads, weight_version)
+    # Binding here, not inside uvicorn, is what makes port=0 usable: we know the port at once.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(create_app(service), log_level=log_level, lifespan="off",
+                            timeout_graceful_shutdown=2, access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"HTTP server on {host}:{port} did not start")
+        time.sleep(0.01)
+    handle = ServerHandle(service, server, thread, host, sock.getsockname()[1])
+    if load:
+        handle.load_model()
+        if wait_ready:
+            handle.wait_ready()
+    return handle
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """sglang.launch_server's flags: ours are honoured or accepted, unknown ones dropped with a
+    warning (a stand-in must not be stricter than the server it stands in for)."""
+    parser = argparse.ArgumentParser(prog="python -m miles_core.rollout.http_server")
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    for key, is_flag in KNOWN_SERVER_ARGS.items():
+        parser.add_argument("--" + key.replace("_", "-"), action="store_true" if is_flag else "store")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        logger.warning("dropping unknown server args: %s", " ".join(unknown))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    if args.random_seed is not None:
+        torch.manual_seed(int(args.random_seed))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server_args = {k: v for k, v in vars(args).items() if v not in (None, False)}
+    handle = serve(args.model_path, args.host, args.port, tokenizer_path=args.tokenizer_path,
+                   server_args=server_args, dtype=args.dtype or "float32", weight_version=args.weight_version,
+                   wait_ready=False, log_level=(args.log_level or "info").lower())
+    logger.info("serving %s at %s", args.model_path, handle.url)
+    stop.wait()
+    handle.stop()
+    logging.shutdown()
+    # Tearing down torch/transformers at interpreter exit takes seconds and does nothing useful
+    # for a server that has already shut down cleanly.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

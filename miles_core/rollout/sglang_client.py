@@ -1,0 +1,361 @@
+"""Client and launcher for SGLang's native HTTP API (the subset an RL trainer needs).
+
+`SGLangClient` speaks to a real `sglang.launch_server` or to our embedded stand-in
+(`miles_core.rollout.http_server`); both answer the same wire protocol, so CI exercises
+this exact code without SGLang installed. `SGLangLauncher` starts either as a subprocess.
+SGLang itself is never imported here: it pins a CUDA torch that CPU machines cannot install.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import requests
+
+logger = logging.getLogger(__name__)
+
+# Server args the launcher forwards. True marks a boolean flag (`--name`, no value); anything
+# else is passed as `--name value`. Keys outside this list are dropped with a warning, because
+# an unknown flag makes `sglang.launch_server` exit at start-up, long after the job was queued.
+KNOWN_SERVER_ARGS: dict[str, bool] = {
+    "tokenizer_path": False, "tp_size": False, "dp_size": False, "pp_size": False, "ep_size": False,
+    "mem_fraction_static": False, "enable_memory_saver": True, "random_seed": False,
+    "skip_server_warmup": True, "enable_metrics": True, "nccl_port": False, "base_gpu_id": False,
+    "context_length": False, "chunked_prefill_size": False, "max_running_requests": False,
+    "max_total_tokens": False, "attention_backend": False, "sampling_backend": False,
+    "dtype": False, "kv_cache_dtype": False, "quantization": False, "load_format": False,
+    "trust_remote_code": True, "log_level": False, "enable_return_routed_experts": True,
+    "served_model_name": False, "weight_version": False, "disable_radix_cache": True,
+    "disable_cuda_graph": True, "cuda_graph_max_bs": False, "schedule_policy": False,
+    "enable_deterministic_inference": True,
+}
+RETRY_STATUSES = {500, 502, 503, 504}
+
+
+class EngineError(RuntimeError):
+    """A failed call to a rollout engine. `status` is None when no HTTP answer came back
+    (connection refused, timeout): the case a router treats as a dead engine."""
+
+    def __init__(self, message: str, url: str = "", status: int | None = None):
+        super().__init__(f"{message} (url={url}, status={status})")
+        self.url = url
+        self.status = status
+
+
+class SGLangClient:
+    """Calls one SGLang server. Every call has a timeout; idempotent calls retry on
+    connection errors and 5xx with a short backoff."""
+
+    def __init__(self, base_url: str, timeout_seconds: float = 300.0, connect_timeout: float = 5.0,
+                 retries: int = 3, backoff_seconds: float = 0.5):
+        self.base_url = base_url.rstrip("/")
+        self.timeout_seconds = timeout_seconds
+        self.connect_timeout = connect_timeout
+        self.retries = retries
+        self.backoff_seconds = backoff_seconds
+        # requests.Session is not documented as thread-safe; routers call from many threads.
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.base_url!r})"
+
+    # ---- transport -------------------------------------------------------------------------
+
+    def _session(self) -> requests.Session:
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        return self._local.session
+
+    def _call(self, method: str, path: str, payload: dict | None = None, *, idempotent: bool = True,
+              timeout: float | None = None, ok_statuses: tuple[int, ...] = ()) -> requests.Response:
+        url = self.base_url + path
+        attempts = 1 + (self.retries if idempotent else 0)
+        for attempt in range(attempts):
+            last = attempt == attempts - 1
+            try:
+                resp = self._session().request(method, url, json=payload,
+                                               timeout=(self.connect_timeout, timeout or self.timeout_seconds))
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                if last:
+                    raise EngineError(f"{method} {path} failed: {type(exc).__name__}: {exc}", url) from exc
+            else:
+                if resp.status_code < 400 or resp.status_code in ok_statuses:
+                    return resp
+                if resp.status_code not in RETRY_STATUSES or last:
+                    raise EngineError(f"{method} {path} returned {_error_text(resp)}", url, resp.status_code)
+            time.sleep(self.backoff_seconds * (2 ** attempt))
+        raise AssertionError("unreachable")
+
+    def _get_json(self, path: str) -> Any:
+        return self._call("GET", path).json()
+
+    def _post_result(self, path: str, payload: dict, timeout: float | None = None) -> dict:
+        """POST to a weight/control endpoint answering {"success", "message"}; raise on failure.
+        SGLang answers a failed update with 400 and the same body, so 400 is read, not raised."""
+        resp = self._call("POST", path, payload, idempotent=False, timeout=timeout, ok_statuses=(400,))
+        body = resp.json() if resp.content else {}
+        if resp.status_code >= 400 or body.get("success") is False:
+            raise EngineError(f"{path} failed: {body.get('message', resp.text)}", resp.url, resp.status_code)
+        return body
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(self, input_ids: list[int] | list[list[int]], sampling_params: dict[str, Any],
+                 return_logprob: bool = True, rid: str | list[str] | None = None,
+                 timeout: float | None = None, **extra: Any) -> list[dict[str, Any]]:
+        """POST /generate for one prompt or a batch; always returns a list of responses.
+        Not retried: a retry could run a request twice (the Router retries on another engine)."""
+        payload: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
+                                   "return_logprob": return_logprob, **extra}
+        if rid is not None:
+            payload["rid"] = rid
+        out = self._call("POST", "/generate", payload, idempotent=False, timeout=timeout).json()
+        return out if isinstance(out, list) else [out]
+
+    def score_prompt(self, input_ids: list[int] | list[list[int]], logprob_start_len: int = 0,
+                     timeout: float | None = None) -> list[list[float | None]]:
+        """Prefill scoring: per prompt, the logprob of each input token from `logprob_start_len`
+        (the first token of a prompt has no context, so its entry is None)."""
+        responses = self.generate(input_ids, {"max_new_tokens": 0, "temperature": 0.0},
+                                  return_logprob=True, logprob_start_len=logprob_start_len, timeout=timeout)
+        return [[entry[0] for entry in r["meta_info"]["input_token_logprobs"]] for r in responses]
+
+    # ---- health and info -------------------------------------------------------------------
+
+    def health(self, timeout: float = 5.0) -> bool:
+        """One probe of /health_generate; never raises (a probe must not need a try)."""
+        try:
+            resp = self._session().get(self.base_url + "/health_generate", timeout=(self.connect_timeout, timeout))
+            return resp.status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_healthy(self, timeout_seconds: float = 600.0, process: subprocess.Popen | None = None,
+                     interval: float = 2.0, log_path: str | Path | None = None) -> None:
+        """Poll until the server answers 200; fail fast if `process` exits meanwhile."""
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            if process is not None and process.poll() is not None:
+                raise EngineError(f"server process exited with code {process.returncode} before it was "
+                                  f"healthy{_log_tail(log_path)}", self.base_url)
+            if self.health(timeout=min(interval * 5, 30.0)):
+                return
+            if time.monotonic() > deadline:
+                raise EngineError(f"server not healthy after {timeout_seconds:.0f} s{_log_tail(log_path)}",
+                                  self.base_url)
+            time.sleep(interval)
+
+    def model_info(self) -> dict[str, Any]:
+        return self._get_json("/get_model_info")
+
+    def server_info(self) -> dict[str, Any]:
+        return self._get_json("/get_server_info")
+
+    def weight_version(self) -> str:
+        # /get_model_info carries it in every SGLang version that has weight versions.
+        return str(self.model_info().get("weight_version"))
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def pause(self, mode: str = "abort") -> None:
+        self._call("POST", "/pause_generation", {"mode": mode})
+
+    def resume(self) -> None:
+        self._call("POST", "/continue_generation", {})
+
+    def flush_cache(self, timeout_seconds: float = 60.0, interval: float = 0.5) -> None:
+        """SGLang refuses (400) while requests run; that is transient, so retry until timeout."""
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            resp = self._call("POST", "/flush_cache", {}, ok_statuses=(400,))
+            if resp.status_code == 200:
+                return
+            if time.monotonic() > deadline:
+                raise EngineError("flush_cache still refused (requests pending)", resp.url, resp.status_code)
+            time.sleep(interval)
+
+    def abort(self, rid: str | None = None) -> None:
+        """Abort one request by rid, or every request when rid is None."""
+        self._call("POST", "/abort_request", {"rid": rid} if rid is not None else {"abort_all": True})
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        self._call("POST", "/release_memory_occupation", {"tags": tags}, idempotent=False)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._call("POST", "/resume_memory_occupation", {"tags": tags}, idempotent=False)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                 load_format: str | None = None) -> dict:
+        payload: dict[str, Any] = {"model_path": str(model_path)}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        if load_format is not None:
+            payload["load_format"] = load_format
+        return self._post_result("/update_weights_from_disk", payload)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str = "nccl") -> dict:
+        return self._post_result("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, weight_version: str | None = None,
+                                        flush_cache: bool = False) -> dict:
+        """Blocks until the server has received every tensor: call it from a thread while the
+        trainer broadcasts the same tensors, in the same order, from rank 0."""
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes,
+                                   "group_name": group_name, "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return self._post_result("/update_weights_from_distributed", payload)
+
+    def destroy_weights_update_group(self, group_name: str) -> dict:
+        return self._post_result("/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        return self._post_result("/update_weight_version", {"new_version": str(new_version),
+                                                            "abort_all_requests": abort_all_requests})
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int,
+                              group_name: str, timeout: timedelta = timedelta(minutes=10)):
+    """A process group outside torch's default one, the way SGLang's engine builds its weight
+    update group, so a trainer (rank 0) and the engines (rank_offset..) meet on one TCPStore."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
+                                                    _world, rendezvous)
+
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                         group_name=group_name, timeout=timeout)
+    # Group rank == global rank inside this group, so broadcast(src=0, group=...) works
+    # whether or not a default process group exists in this process.
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _error_text(resp: requests.Response) -> str:
+    return f"HTTP {resp.status_code}: {resp.text[:500]}"
+
+
+def _log_tail(log_path: str | Path | None, lines: int = 30) -> str:
+    if not log_path or not Path(log_path).exists():
+        return ""
+    tail = Path(log_path).read_text(errors="replace").splitlines()[-lines:]
+    return "\n--- server log tail ---\n" + "\n".join(tail)
+
+
+def server_arg_flags(server_args: dict[str, Any]) -> list[str]:
+    """Map {"mem_fraction_static": 0.7, "skip_server_warmup": True} to CLI flags, dropping (with a
+    warning) keys SGLang is not known to accept and False boolean flags."""
+    flags: list[str] = []
+    for key, value in server_args.items():
+        key = key.replace("-", "_")
+        if key not in KNOWN_SERVER_ARGS:
+            logger.warning("dropping unknown SGLang server arg %r=%r", key, value)
+            continue
+        if value is None or (KNOWN_SERVER_ARGS[key] and not value):
+            continue
+        flags.append("--" + key.replace("_", "-"))
+        if not KNOWN_SERVER_ARGS[key]:
+            flags.extend(str(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return flags
+
+
+class SGLangLauncher:
+    """Starts `python -m <module> --model-path ... --host ... --port ...` in its own session
+    (so stop() can end the server and every child it spawned) and waits until it is healthy.
+    `module` defaults to SGLang; tests pass `miles_core.rollout.http_server`."""
+
+    def __init__(self, model_path: str | Path, server_args: dict[str, Any] | None = None,
+                 host: str = "127.0.0.1", port: int | None = None, module: str = "sglang.launch_server",
+                 python: str = sys.executable, log_path: str | Path | None = None,
+                 env: dict[str, str] | None = None, startup_timeout: float = 900.0,
+                 poll_interval: float = 2.0):
+        self.model_path = str(model_path)
+        self.server_args = dict(server_args or {})
+        self.host = host
+        self.port = port or free_port(host)
+        self.module = module
+        self.python = python
+        self.log_path = Path(log_path) if log_path else Path(f"/tmp/sglang-{self.port}.log")
+        self.env = env
+        self.startup_timeout = startup_timeout
+        self.poll_interval = poll_interval
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        args = {"tp_size": 1, **self.server_args}
+        for reserved in ("model_path", "host", "port"):
+            if args.pop(reserved, None) is not None:
+                logger.warning("server arg %r is set by the launcher itself; ignoring it", reserved)
+        return [self.python, "-m", self.module, "--model-path", self.model_path,
+                "--host", self.host, "--port", str(self.port), *server_arg_flags(args)]
+
+    def start(self, wait: bool = True, **client_kwargs: Any) -> SGLangClient:
+        cmd = self.command()
+        logger.info("launching engine: %s (log %s)", " ".join(cmd), self.log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env={**os.environ, **(self.env or {})})
+        client = SGLangClient(self.url, **client_kwargs)
+        if wait:
+            try:
+                client.wait_healthy(self.startup_timeout, process=self.process,
+                                    interval=self.poll_interval, log_path=self.log_path)
+            except Exception:
+                self.stop()
+                raise
+        return client
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group; SIGKILL what is left (a hung leader, or children
+        that outlived it) so that no engine process survives stop()."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine pid %d ignored SIGTERM for %.0f s; killing it", proc.pid, timeout)
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)
+
+    def __enter__(self) -> SGLangClient:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the group is already empty
+        pass
