@@ -148,7 +148,8 @@ class SGLangClient:
             if process is not None and process.poll() is not None:
                 raise EngineError(f"server process exited with code {process.returncode} before it was "
                                   f"healthy{_log_tail(log_path)}", self.base_url)
-            if self.health(timeout=min(interval * 5, 30.0)):
+            # SGLang's /health_generate runs a 1-token generation: give it more than `interval`.
+            if self.health(timeout=min(30.0, max(5.0, interval * 5))):
                 return
             if time.monotonic() > deadline:
                 raise EngineError(f"server not healthy after {timeout_seconds:.0f} s{_log_tail(log_path)}",
@@ -249,6 +250,7 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (another process could take it before the server binds it)."""
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

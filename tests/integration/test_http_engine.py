@@ -1,0 +1,396 @@
+"""The embedded engine over SGLang's HTTP API, driven through SGLangClient, SGLangLauncher and
+Router exactly as a GPU cluster drives `sglang.launch_server`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+
+from miles_core.config import TinyModelConfig
+from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.rollout.http_server import parse_args, serve
+from miles_core.rollout.router import Router
+from miles_core.rollout.sglang_client import (EngineError, SGLangClient, SGLangLauncher, free_port,
+                                              init_custom_process_group)
+from miles_core.tiny import build_tiny_model
+from miles_core.weights import weights_sha256
+
+torch.set_num_threads(1)
+GREEDY = {"max_new_tokens": 4, "temperature": 0.0}
+SAMPLED = {"max_new_tokens": 3, "temperature": 1.0}
+
+
+def _dir_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def _finish(response: dict) -> str:
+    return response["meta_info"]["finish_reason"]["type"]
+
+
+class ForwardGate:
+    """Holds the engine inside its next forward pass, so a test can act mid-generation."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self._hook = model.register_forward_pre_hook(self._wait)
+
+    def _wait(self, module, args):
+        self.entered.set()
+        self.release.wait(10)
+
+    def close(self) -> None:
+        self.release.set()
+        self._hook.remove()
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    """A second tiny model with other random weights: the 'trained' weights to push."""
+    return build_tiny_model(TinyModelConfig(seed=1), tmp_path_factory.mktemp("target") / "model")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> EmbeddedEngine:
+    return EmbeddedEngine(str(tiny_model_dir), num_threads=1)
+
+
+@pytest.fixture
+def server(tiny_model_dir):
+    handle = serve(tiny_model_dir, num_threads=1)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def client(server) -> SGLangClient:
+    return SGLangClient(server.url, timeout_seconds=30, retries=1, backoff_seconds=0.05)
+
+
+# ---- health, info, generation -----------------------------------------------------------------
+
+def test_health_is_503_until_the_model_is_loaded(tiny_model_dir):
+    handle = serve(tiny_model_dir, num_threads=1, load=False)
+    try:
+        client = SGLangClient(handle.url, timeout_seconds=10, retries=0)
+        assert requests.get(handle.url + "/health_generate", timeout=5).status_code == 503
+        assert not client.health()
+        with pytest.raises(EngineError) as err:
+            client.generate([5], {"max_new_tokens": 1})
+        assert err.value.status == 503
+        handle.load_model()
+        client.wait_healthy(timeout_seconds=30, interval=0.05)
+        assert requests.get(handle.url + "/health", timeout=5).status_code == 200
+    finally:
+        handle.stop()
+
+
+def test_model_and_server_info(client, tiny_model_dir):
+    info = client.model_info()
+    assert info["model_path"] == info["tokenizer_path"] == str(tiny_model_dir)
+    assert info["is_generation"] is True and info["weight_version"] == "0"
+    assert client.server_info()["internal_states"][0]["paused"] is False
+
+
+def test_generate_matches_in_process_engine(client, reference):
+    params = {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 11}
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    got = client.generate(prompts[0], params) + client.generate(prompts, params)
+    want = reference.generate([prompts[0]], params, seed=11) + reference.generate(prompts, params, seed=11)
+    for response, expected, prompt in zip(got, want, [prompts[0], *prompts]):
+        meta = response["meta_info"]
+        assert response["output_ids"] == expected["output_ids"]
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == response["output_ids"]
+        lps = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+        ref = torch.tensor([lp for lp, _, _ in expected["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(lps, ref, atol=1e-5, rtol=0)
+        assert _finish(response) in ("stop", "length") and 1 <= len(response["output_ids"]) <= 6
+        assert meta["completion_tokens"] == len(response["output_ids"]) and meta["prompt_tokens"] == len(prompt)
+        assert meta["weight_version"] == "0"
+    greedy = client.generate(prompts, GREEDY)
+    assert [r["output_ids"] for r in greedy] == [r["output_ids"] for r in reference.generate(prompts, GREEDY)]
+
+
+def test_generate_from_text(server):
+    body = {"text": ["1+1=", "2*3="], "sampling_params": GREEDY, "rid": ["a", "b"]}
+    out = requests.post(server.url + "/generate", json=body, timeout=30).json()
+    assert [r["meta_info"]["id"] for r in out] == ["a", "b"]
+    assert [r["meta_info"]["prompt_tokens"] for r in out] == [4, 4]
+
+
+def test_prefill_scoring_matches_hf_forward(client, reference):
+    prompt = [5, 6, 7, 8, 9, 10]
+    [scores] = client.score_prompt(prompt)
+    assert scores[0] is None and len(scores) == len(prompt)
+    with torch.no_grad():
+        logits = reference.model(input_ids=torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(torch.tensor(scores[1:]), expected, atol=1e-5, rtol=0)
+    [tail] = client.score_prompt(prompt, logprob_start_len=2)
+    assert tail == pytest.approx(scores[2:], abs=1e-6)
+    [raw] = client.generate(prompt, {"max_new_tokens": 0}, logprob_start_len=0)
+    assert raw["output_ids"] == [] and raw["meta_info"]["input_token_logprobs"][0] == [None, prompt[0], None]
+
+
+# ---- control: pause, abort, flush ---------------------------------------------------------------
+
+def test_pause_holds_requests_until_continue(client):
+    client.pause("in_place")
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.generate, [5, 6], SAMPLED)
+        time.sleep(0.4)
+        assert not pending.done()
+        assert client.health()  # the server stays responsive while paused
+        client.resume()
+        [out] = pending.result(timeout=30)
+    assert _finish(out) != "abort"
+
+
+def test_abort_by_rid_while_paused(client):
+    client.pause("abort")
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(client.generate, [5, 6], SAMPLED, True, "rid-a")
+        second = pool.submit(client.generate, [7, 8], SAMPLED, True, "rid-b")
+        _wait_for(lambda: client.server_info()["internal_states"][0]["in_flight"] == 2)
+        client.abort("rid-a")
+        [aborted] = first.result(timeout=30)
+        assert _finish(aborted) == "abort" and aborted["output_ids"] == [] and not second.done()
+        client.resume()
+        assert _finish(second.result(timeout=30)[0]) != "abort"
+
+
+def test_abort_all_ends_running_and_queued_requests(server, client, reference):
+    prompt = [5, 6, 7]
+    # Precondition: greedy decoding of this prompt does not stop at its first token.
+    assert _finish(reference.generate([prompt], {"max_new_tokens": 1, "temperature": 0.0})[0]) == "length"
+    gate = ForwardGate(server.engine.model)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(client.generate, prompt, {"max_new_tokens": 50, "temperature": 0.0})
+            assert gate.entered.wait(10)
+            queued = pool.submit(client.generate, [8, 9], {"max_new_tokens": 50})
+            _wait_for(lambda: len(server.service.requests) == 2)
+            client.abort()
+            gate.release.set()
+            [ran], [waited] = running.result(timeout=30), queued.result(timeout=30)
+    finally:
+        gate.close()
+    assert _finish(ran) == "abort" and 1 <= len(ran["output_ids"]) < 50
+    assert _finish(waited) == "abort" and waited["output_ids"] == []
+
+
+def test_flush_cache_is_refused_while_a_batch_runs(server, client):
+    client.flush_cache()
+    gate = ForwardGate(server.engine.model)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(client.generate, [5, 6], SAMPLED)
+            assert gate.entered.wait(10)
+            assert requests.post(server.url + "/flush_cache", timeout=5).status_code == 400
+            flushed = pool.submit(client.flush_cache, 10, 0.05)
+            time.sleep(0.2)
+            gate.release.set()
+            flushed.result(timeout=30)
+            running.result(timeout=30)
+    finally:
+        gate.close()
+
+
+def test_weight_version_and_memory_calls(client):
+    assert client.update_weight_version("11")["new_version"] == "11"
+    assert client.weight_version() == "11"
+    assert client.generate([5], SAMPLED)[0]["meta_info"]["weight_version"] == "11"
+    client.release_memory(["kv_cache", "weights"])
+    client.resume_memory(["kv_cache", "weights"])
+
+
+# ---- weight updates -----------------------------------------------------------------------------
+
+def test_update_weights_from_disk(server, client, target_dir, tmp_path):
+    target_sha = weights_sha256(_dir_tensors(target_dir))
+    assert server.engine.weights_sha256() != target_sha
+    before = client.generate([5, 6, 7], GREEDY)[0]
+    assert client.update_weights_from_disk(str(target_dir), weight_version="5")["success"]
+    assert server.engine.weights_sha256() == target_sha
+    assert requests.get(server.url + "/get_weights_checksum", timeout=10).json()["sha256"] == target_sha
+    assert client.weight_version() == "5" and client.model_info()["model_path"] == str(target_dir)
+    after = client.generate([5, 6, 7], GREEDY)[0]
+    assert after["meta_info"]["weight_version"] == "5"
+    assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+    with pytest.raises(EngineError, match="safetensors") as err:
+        client.update_weights_from_disk(str(tmp_path), weight_version="6")
+    assert err.value.status == 400
+    assert client.weight_version() == "5" and server.engine.weights_sha256() == target_sha
+
+
+def test_weight_update_waits_for_the_running_generation(server, client, target_dir):
+    gate = ForwardGate(server.engine.model)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(client.generate, [5, 6, 7], GREEDY)
+            assert gate.entered.wait(10)
+            update = pool.submit(client.update_weights_from_disk, str(target_dir), "2")
+            time.sleep(0.3)
+            assert not update.done()  # blocked behind the generation lock
+            gate.release.set()
+            [out] = running.result(timeout=30)
+            update.result(timeout=30)
+    finally:
+        gate.close()
+    assert out["meta_info"]["weight_version"] == "0" and client.weight_version() == "2"
+
+
+# ---- a launched subprocess, and a gloo weight broadcast into it ----------------------------------
+# The three tests below share one server process (start-up costs seconds); they run in file order
+# and the last one stops it.
+
+@pytest.fixture(scope="module")
+def launched(tiny_model_dir, tmp_path_factory):
+    launcher = SGLangLauncher(
+        tiny_model_dir, {"random_seed": 1, "skip_server_warmup": True, "not_an_sglang_arg": "x"},
+        module="miles_core.rollout.http_server", env={"OMP_NUM_THREADS": "1"},
+        log_path=tmp_path_factory.mktemp("engine") / "engine.log", poll_interval=0.2, startup_timeout=120)
+    client = launcher.start(timeout_seconds=60)
+    yield launcher, client
+    launcher.stop()
+
+
+def test_launcher_drops_unknown_args_and_serves(launched, caplog):
+    launcher, client = launched
+    with caplog.at_level(logging.WARNING, logger="miles_core.rollout.sglang_client"):
+        cmd = launcher.command()
+    assert "not_an_sglang_arg" in caplog.text and "--not-an-sglang-arg" not in cmd
+    assert cmd[1:3] == ["-m", "miles_core.rollout.http_server"] and "--skip-server-warmup" in cmd
+    info = client.server_info()
+    assert info["random_seed"] == "1" and info["skip_server_warmup"] is True
+    [out] = client.generate([5, 6, 7], GREEDY)
+    assert 1 <= len(out["output_ids"]) <= GREEDY["max_new_tokens"]
+
+
+def test_update_weights_from_distributed(launched, target_dir):
+    _, client = launched
+    tensors = _dir_tensors(target_dir)
+    names = sorted(tensors)
+    group, port = "miles_test_weights", free_port()
+    with ThreadPoolExecutor(1) as pool:
+        # The server joins as rank 1 while this process (the "trainer") is rank 0.
+        joined = pool.submit(client.init_weights_update_group, "127.0.0.1", port, 1, 2, group, "gloo")
+        pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
+                                       group_name=group, timeout=timedelta(seconds=60))
+        assert joined.result(timeout=60)["success"]
+        update = pool.submit(client.update_weights_from_distributed, names,
+                             [str(tensors[n].dtype).removeprefix("torch.") for n in names],
+                             [list(tensors[n].shape) for n in names], group, "9")
+        for name in names:
+            torch.distributed.broadcast(tensors[name].contiguous(), src=0, group=pg)
+        assert update.result(timeout=60)["success"]
+    try:
+        checksum = requests.get(client.base_url + "/get_weights_checksum", timeout=10).json()["sha256"]
+        assert checksum == weights_sha256(tensors)
+        assert client.weight_version() == "9"
+        assert client.generate([5, 6], GREEDY)[0]["meta_info"]["weight_version"] == "9"
+    finally:
+        client.destroy_weights_update_group(group)
+        torch.distributed.destroy_process_group(pg)
+
+
+def test_launcher_stop_leaves_no_process(launched):
+    launcher, client = launched
+    pid = launcher.process.pid
+    launcher.stop()
+    assert launcher.process is None and not client.health(timeout=2)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+
+
+def test_server_cli_drops_unknown_flags(caplog):
+    with caplog.at_level(logging.WARNING, logger="miles_core.rollout.http_server"):
+        args = parse_args(["--model-path", "m", "--port", "1234", "--tp-size", "1", "--enable-metrics",
+                           "--some-future-flag", "7"])
+    assert args.port == 1234 and args.enable_metrics and args.tp_size == "1"
+    assert "--some-future-flag" in caplog.text
+
+
+# ---- router -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def two_servers(tiny_model_dir):
+    handles = [serve(tiny_model_dir, num_threads=1) for _ in range(2)]
+    yield handles
+    for handle in handles:
+        handle.stop()
+
+
+def _router(handles, **kwargs) -> Router:
+    return Router([SGLangClient(h.url, timeout_seconds=30, retries=0) for h in handles], **kwargs)
+
+
+def test_router_sends_to_least_in_flight(two_servers):
+    router = _router(two_servers)
+    direct = [SGLangClient(h.url) for h in two_servers]
+    for c in direct:
+        c.pause("in_place")  # hold requests on the engines so in-flight counts stay put
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(router.generate, [5 + i, 6], SAMPLED) for i in range(4)]
+        _wait_for(lambda: sum(s["in_flight"] for s in router.stats()) == 4)
+        assert [s["in_flight"] for s in router.stats()] == [2, 2]
+        for c in direct:
+            c.resume()
+        outs = [f.result(timeout=30) for f in futures]
+    assert all(_finish(o[0]) != "abort" for o in outs)
+    assert [s["served"] for s in router.stats()] == [2, 2]
+
+
+def test_router_fails_over_and_readmits(two_servers, tiny_model_dir):
+    first, second = two_servers
+    router = _router(two_servers)
+    for _ in range(4):
+        router.generate([5, 6], SAMPLED)
+    assert [s["served"] for s in router.stats()] == [2, 2]
+    first.stop()
+    outs = [router.generate([5, 6], SAMPLED) for _ in range(4)]
+    assert all(_finish(o[0]) != "abort" for o in outs)
+    dead, alive = router.stats()
+    assert not dead["healthy"] and dead["failures"] == 1 and alive["served"] == 6
+    assert router.check_health() == {first.url: False, second.url: True}
+    restarted = serve(tiny_model_dir, port=first.port, num_threads=1)
+    try:
+        assert router.check_health() == {first.url: True, second.url: True}
+        for _ in range(2):
+            router.generate([5, 6], SAMPLED)
+        assert router.stats()[0]["served"] == 3
+    finally:
+        restarted.stop()
+
+
+def test_router_background_health_checks(two_servers, tiny_model_dir):
+    first, second = two_servers
+    with _router(two_servers, health_check_interval=0.05) as router:
+        first.stop()
+        _wait_for(lambda: router.healthy_urls == [second.url])
+        restarted = serve(tiny_model_dir, port=first.port, num_threads=1)
+        try:
+            _wait_for(lambda: len(router.healthy_urls) == 2)
+        finally:
+            restarted.stop()
