@@ -274,11 +274,39 @@ class CheckpointConfig(Section):
     """Complete checkpoints kept in the run directory; older ones are pruned."""
 
 
+class EvalDatasetConfig(Section):
+    name: str
+    """Name used in metric keys (eval/<name>/pass@k)."""
+    path: str
+    """jsonl in the DAPO layout (prompt + label), e.g. an AIME-2024-style file."""
+    reward: str | None = None
+    """Reward function for this dataset; None uses rollout.reward."""
+    num_samples_per_prompt: int = Field(1, ge=1)
+    """n responses per prompt; pass@k is estimated for k <= n (unbiased estimator)."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature; 0 is greedy (then n must be 1)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Generation budget; None uses eval.max_new_tokens."""
+
+
 class EvalConfig(Section):
     max_new_tokens: int = Field(8, ge=1)
     """Generation budget of evaluation responses."""
     batch_size: int = Field(256, ge=1)
     """Prompts per generation batch during evaluation."""
+    pass_k: list[int] = [1]
+    """k values of pass@k reported for each dataset (only those <= its num_samples_per_prompt)."""
+    datasets: list[EvalDatasetConfig] = []
+    """Extra held-out datasets evaluated before and after training, besides data.eval_path."""
+    interval_steps: int = Field(0, ge=0)
+    """Evaluate on the held-out set every this many RL steps during training; 0 disables."""
+    mode: Literal["local_engine", "external_command"] = "local_engine"
+    """Where evaluation generates: an engine built from the model directory, or an external command."""
+    external_command: str | None = None
+    """For mode=external_command: a command with {model_dir} and {output_json} placeholders
+    that writes {"pass@1": ...} (and any other metrics) to output_json."""
 
 
 class TrackingConfig(Section):
@@ -288,6 +316,12 @@ class TrackingConfig(Section):
     """MLflow experiment of the runs."""
     registered_model_name: str = "miles-tiny"
     """Model registry name under which each finished run's HF export is a new version."""
+    promote: bool = True
+    """After registration, move the `champion` alias to the new version if it passes the gate."""
+    promote_min_score: float = 0.0
+    """Gate floor: held-out pass@1 the candidate must reach to become champion."""
+    promote_min_improvement: float = 0.0
+    """Gate margin: how much the candidate must beat the current champion's pass@1 by."""
 
 
 class StorageConfig(Section):
