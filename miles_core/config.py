@@ -121,8 +121,16 @@ class RolloutConfig(Section):
     """Nucleus sampling threshold."""
     reward: str = "exact_match"
     """Reward function: a registered name (exact_match, math_boxed, dapo) or `module:function`."""
-    weight_transport: Literal["object_store"] = "object_store"
-    """How weights reach the engines after each step."""
+    weight_transport: Literal["object_store", "broadcast", "disk"] = "object_store"
+    """How weights reach the engines after each step: Ray's object store (same node, zero
+    copy), a torch.distributed broadcast from the trainer (gloo on CPU, NCCL on GPU, bucketed),
+    or an HF safetensors directory on shared disk."""
+    broadcast_bucket_megabytes: int = Field(512, ge=1)
+    """Bucket size of the broadcast transport (one engine request per bucket)."""
+    bind_host: Literal["loopback", "node_ip"] = "loopback"
+    """Engine HTTP servers bind to 127.0.0.1 (one-machine clusters) or the Ray node's IP."""
+    request_timeout_seconds: float = Field(300.0, gt=0)
+    """An engine that does not answer a generate request within this is treated as hung."""
     verify_weight_sync: bool = False
     """After each sync, compare a sha256 of engine and trainer weights (slow on big models)."""
     cpus_per_engine: float = Field(1.0, gt=0)
@@ -265,6 +273,15 @@ class PlacementConfig(Section):
     """Ray cluster to join (`ray://host:10001` or `host:6379`); None starts a local one."""
     num_cpus: int | None = None
     """CPUs given to a local Ray (None: all of this machine)."""
+    layout: Literal["colocated", "disaggregated"] = "disaggregated"
+    """colocated: trainer and engines packed onto one node (STRICT_PACK); disaggregated:
+    spread over nodes (SPREAD). Bundle 0 is the trainer, bundles 1..N the engines, in rank order."""
+    trainer_resources: dict[str, float] = {}
+    """Extra (custom) Ray resources the trainer bundle requires, e.g. {"trainer_node": 1}."""
+    engine_resources: dict[str, float] = {}
+    """Extra (custom) Ray resources each engine bundle requires, e.g. {"rollout_node": 1}."""
+    ready_timeout_seconds: float = Field(600.0, gt=0)
+    """How long to wait for the cluster to fit the placement group before failing."""
 
 
 class CheckpointConfig(Section):

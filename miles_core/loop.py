@@ -101,7 +101,7 @@ def sft_step(cfg: RunConfig, tokenizer: Any, trainer: Any, source: PromptSource,
     return {"train/loss": loss, "time/train_seconds": time.perf_counter() - started}
 
 
-def run_sync_loop(cfg: RunConfig, trainer: Any, engines: list[Any], transport: WeightTransport,
+def run_sync_loop(cfg: RunConfig, trainer: Any, engines: Any, transport: WeightTransport,
                   source: PromptSource, run_dir: Path, state: LoopState, tokenizer: Any,
                   on_metrics: MetricsFn, on_checkpoint: Callable[[int], None],
                   on_step: Callable[[LoopState], None] = lambda s: None) -> LoopState:
@@ -117,7 +117,9 @@ def run_sync_loop(cfg: RunConfig, trainer: Any, engines: list[Any], transport: W
                                      "lower training.lr or check the rewards")
         state.step += 1
         state.weight_version += 1
-        metrics |= transport.push(trainer, engines, state.weight_version)
+        # Dead or hung engines are replaced before the push, which then brings them up to date.
+        metrics["rollout/engine_restarts"] = float(len(engines.heal()))
+        metrics |= transport.push(trainer, engines.targets(), state.weight_version)
         metrics["time/step_seconds"] = time.perf_counter() - started
         state.history.append({"step": state.step, **metrics})
         on_metrics(state.step, metrics)

@@ -20,9 +20,10 @@ from miles_core import checkpoint as ckpt
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, read_prompts
 from miles_core.loop import LoopState, MetricsFn, run_sync_loop
-from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.placement import Placement
+from miles_core.rollout.engine_group import EngineGroup
 from miles_core.training.fsdp import FSDPTrainer
-from miles_core.weights import TRANSPORTS
+from miles_core.weights import make_transport
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +49,14 @@ class TrainResult:
 
 
 def start_actors(cfg: RunConfig, model_dir: str, teacher_dir: str | None = None):
+    layout = Placement(cfg)
     trainer_cls = ray.remote(num_cpus=cfg.training.cpus_per_trainer, num_gpus=cfg.training.gpus_per_trainer)(FSDPTrainer)
-    engine_cls = ray.remote(num_cpus=cfg.rollout.cpus_per_engine, num_gpus=cfg.rollout.gpus_per_engine,
-                            max_restarts=2)(EmbeddedEngine)
-    trainer = trainer_cls.remote(model_dir, cfg.training, cfg.algorithm, cfg.rollout.temperature,
-                                 cfg.rollout.max_new_tokens, cfg.seed, cfg.rollout.num_samples_per_prompt,
-                                 teacher_dir)
-    engines = [engine_cls.remote(model_dir, cfg.model.dtype, cfg.training.num_threads)
-               for _ in range(cfg.rollout.num_engines)]
-    ray.get([trainer.__ray_ready__.remote(), *[e.__ray_ready__.remote() for e in engines]])
-    return trainer, engines
+    trainer = trainer_cls.options(**layout.trainer(0)).remote(
+        model_dir, cfg.training, cfg.algorithm, cfg.rollout.temperature, cfg.rollout.max_new_tokens, cfg.seed,
+        cfg.rollout.num_samples_per_prompt, teacher_dir)
+    engines = EngineGroup(cfg, model_dir, scheduling=layout.engine)
+    ray.get(trainer.__ray_ready__.remote())
+    return layout, trainer, engines
 
 
 def run_training(spec: TrainSpec, on_metrics: MetricsFn = lambda step, m: None,
@@ -67,18 +66,20 @@ def run_training(spec: TrainSpec, on_metrics: MetricsFn = lambda step, m: None,
     run_dir = Path(spec.run_dir)
     tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
     source = PromptSource(read_prompts(spec.train_path, cfg.data, tokenizer), seed=cfg.seed)
-    trainer, engines = start_actors(cfg, spec.model_dir, spec.teacher_dir)
+    layout, trainer, engines = start_actors(cfg, spec.model_dir, spec.teacher_dir)
     try:
         return _resume_and_loop(cfg, run_dir, source, tokenizer, trainer, engines, on_metrics, on_checkpoint, on_step)
     finally:  # a failed attempt must not leave actors holding CPUs/GPUs for the retry
-        for actor in [trainer, *engines]:
-            ray.kill(actor)
+        engines.shutdown()
+        ray.kill(trainer)
+        layout.release()
 
 
 def _resume_and_loop(cfg: RunConfig, run_dir: Path, source: PromptSource, tokenizer, trainer, engines,
                      on_metrics, on_checkpoint, on_step) -> TrainResult:
     checkpoints = run_dir / "checkpoints"
-    transport = TRANSPORTS[cfg.rollout.weight_transport](verify=cfg.rollout.verify_weight_sync)
+    r = cfg.rollout
+    transport = make_transport(r.weight_transport, str(run_dir), r.broadcast_bucket_megabytes, r.verify_weight_sync)
     state, resumed_from = LoopState(), None
     latest = ckpt.latest_complete_checkpoint(checkpoints)
     if latest is not None:
@@ -87,7 +88,7 @@ def _resume_and_loop(cfg: RunConfig, run_dir: Path, source: PromptSource, tokeni
         extra = ray.get(trainer.load_state.remote(str(path)))
         source.load_state_dict(extra["data"])
         state = LoopState(step=int(extra["step"]), weight_version=int(extra["weight_version"]))
-        transport.push(trainer, engines, state.weight_version)
+        transport.push(trainer, engines.targets(), state.weight_version)
         log.info("resumed from checkpoint step %d (%s)", resumed_from, path)
     else:
         ckpt.discard_after(checkpoints, -1)

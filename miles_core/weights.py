@@ -1,13 +1,22 @@
-"""Weight-sync transports: trainer (HF names) -> rollout engines, stamped with a version."""
+"""Weight-sync transports: trainer (HF names) -> rollout engines, stamped with a version.
+
+Each transport pushes the trainer's full weights to a list of engine targets (actor, url)
+and can verify the result by comparing a sha256 of the exact bytes on both sides.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Protocol
 
 import ray
 import torch
+
+Target = tuple[Any, str]  # (engine actor handle, engine base URL)
 
 
 def weights_sha256(named_tensors: dict[str, torch.Tensor], names: list[str] | None = None) -> str:
@@ -21,30 +30,141 @@ def weights_sha256(named_tensors: dict[str, torch.Tensor], names: list[str] | No
 
 
 class WeightTransport(Protocol):
-    def push(self, trainer: Any, engines: list[Any], version: int) -> dict[str, float]: ...
+    def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]: ...
+
+
+def _verify(trainer: Any, targets: list[Target], version: int) -> None:
+    expected = ray.get(trainer.weights_sha256.remote())
+    got = ray.get([actor.weights_sha256.remote() for actor, _ in targets])
+    if any(g != expected for g in got):
+        raise RuntimeError(f"engine weights differ from the trainer's after the sync to version {version}")
+
+
+def _check(results: list[dict], version: int) -> None:
+    failed = [r.get("message") for r in results if not r.get("success")]
+    if failed:
+        raise RuntimeError(f"weight sync to version {version} failed: {failed}")
 
 
 class ObjectStoreTransport:
-    """Full state dict through Ray's object store: one put, every engine reads it (zero-copy
-    on the same node). The default for the embedded engine on CPU."""
+    """Full state dict through Ray's object store: one put, every engine reads it (zero copy
+    on the same node). The default for embedded engines on CPU."""
 
-    def __init__(self, verify: bool = False):
+    def __init__(self, verify: bool = False, **_: Any):
         self.verify = verify
 
-    def push(self, trainer: Any, engines: list[Any], version: int) -> dict[str, float]:
+    def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
         started = time.perf_counter()
         state_ref = trainer.hf_state_dict.remote()
-        results = ray.get([e.update_weights_from_tensors.remote(state_ref, str(version)) for e in engines])
-        failed = [r["message"] for r in results if not r["success"]]
-        if failed:
-            raise RuntimeError(f"weight sync to version {version} failed: {failed}")
-        metrics = {"weights/sync_seconds": time.perf_counter() - started}
+        _check(ray.get([actor.update_weights_from_tensors.remote(state_ref, str(version)) for actor, _ in targets]),
+               version)
         if self.verify:
-            expected = ray.get(trainer.weights_sha256.remote())
-            got = ray.get([e.weights_sha256.remote() for e in engines])
-            if any(g != expected for g in got):
-                raise RuntimeError(f"engine weights differ from the trainer's after sync to version {version}")
-        return metrics
+            _verify(trainer, targets, version)
+        return {"weights/sync_seconds": time.perf_counter() - started}
 
 
-TRANSPORTS = {"object_store": ObjectStoreTransport}
+class DiskTransport:
+    """The trainer writes an HF safetensors directory; engines load it (`update_weights_from_disk`).
+    Needs a filesystem both sides see; keeps only the newest version on disk."""
+
+    def __init__(self, sync_dir: str, verify: bool = False, **_: Any):
+        self.sync_dir, self.verify = Path(sync_dir), verify
+
+    def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
+        from miles_core.rollout.sglang_client import SGLangClient
+
+        started = time.perf_counter()
+        out = self.sync_dir / f"v{version:06d}"
+        ray.get(trainer.export_hf.remote(str(out)))
+        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+            _check(list(pool.map(lambda t: SGLangClient(t[1]).update_weights_from_disk(str(out), str(version)),
+                                 targets)), version)
+        for old in self.sync_dir.glob("v*"):
+            if old != out:
+                shutil.rmtree(old, ignore_errors=True)
+        if self.verify:
+            _verify(trainer, targets, version)
+        return {"weights/sync_seconds": time.perf_counter() - started}
+
+
+class BroadcastTransport:
+    """torch.distributed broadcast from the trainer (rank 0) to every engine (ranks 1..N) over
+    a dedicated group (gloo on CPU, NCCL on GPU), in buckets; the group is rebuilt whenever
+    the set of engines changes (e.g. after a restart)."""
+
+    def __init__(self, bucket_megabytes: int = 512, verify: bool = False, **_: Any):
+        self.bucket_bytes, self.verify = bucket_megabytes << 20, verify
+        self.members: tuple[str, ...] = ()
+        self.generation = 0
+
+    def _group_name(self) -> str:
+        return f"miles-weights-{self.generation}"
+
+    def _connect(self, trainer: Any, urls: tuple[str, ...]) -> None:
+        from miles_core.rollout.sglang_client import SGLangClient
+
+        if self.members:
+            ray.get(trainer.close_weight_broadcast.remote())
+            for url in self.members:
+                if url in urls:
+                    SGLangClient(url).destroy_weights_update_group(self._group_name())
+        self.generation += 1
+        address, port = ray.get(trainer.weight_broadcast_endpoint.remote())
+        world, backend = len(urls) + 1, ray.get(trainer.broadcast_backend.remote())
+        sender = trainer.open_weight_broadcast.remote(address, port, world, self._group_name())
+        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+            results = list(pool.map(lambda item: SGLangClient(item[1]).init_weights_update_group(
+                address, port, item[0] + 1, world, self._group_name(), backend), enumerate(urls)))
+        ray.get(sender)
+        _check(results, 0)
+        self.members = urls
+
+    def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
+        started = time.perf_counter()
+        urls = tuple(url for _, url in targets)
+        if urls != self.members:
+            self._connect(trainer, urls)
+        connected = time.perf_counter()
+        sent_bytes = ray.get(trainer.broadcast_weights.remote(list(urls), self._group_name(), str(version),
+                                                             self.bucket_bytes))
+        done = time.perf_counter()
+        if self.verify:
+            _verify(trainer, targets, version)
+        return {"weights/sync_seconds": done - started, "weights/broadcast_seconds": done - connected,
+                "weights/broadcast_gbytes": sent_bytes / 1e9}
+
+
+def make_transport(kind: str, run_dir: str, bucket_megabytes: int, verify: bool) -> WeightTransport:
+    if kind == "object_store":
+        return ObjectStoreTransport(verify=verify)
+    if kind == "disk":
+        return DiskTransport(str(Path(run_dir) / "weight_sync"), verify=verify)
+    if kind == "broadcast":
+        return BroadcastTransport(bucket_megabytes, verify=verify)
+    raise ValueError(f"unknown weight transport {kind!r}")
+
+
+def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str], group_name: str,
+                         version: str, bucket_bytes: int) -> int:
+    """Sender side (runs in the trainer): per bucket, ask every engine to receive the named
+    tensors, then broadcast them in that order. Returns the bytes sent."""
+    from miles_core.rollout.sglang_client import SGLangClient
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    names, buckets, size = list(state), [[]], 0
+    for name in names:
+        nbytes = state[name].numel() * state[name].element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+        for bucket in buckets:
+            meta = ([str(state[n].dtype).removeprefix("torch.") for n in bucket], [list(state[n].shape) for n in bucket])
+            requests = [pool.submit(SGLangClient(url).update_weights_from_distributed, bucket, meta[0], meta[1],
+                                    group_name, version) for url in urls]
+            for name in bucket:
+                torch.distributed.broadcast(state[name].to(device), src=0, group=group)
+            _check([r.result() for r in requests], int(version))
+    return sum(t.numel() * t.element_size() for t in state.values())

@@ -24,7 +24,7 @@ from miles_core.weights import weights_sha256
 
 def _free_port() -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]
 
 
@@ -258,6 +258,31 @@ class FSDPTrainer:
 
     def weights_sha256(self) -> str:
         return weights_sha256(self.hf_state_dict())
+
+    # ---- broadcast weight sync (sender side; see miles_core.weights.BroadcastTransport) -----
+    def broadcast_backend(self) -> str:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+    def weight_broadcast_endpoint(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def open_weight_broadcast(self, address: str, port: int, world_size: int, group_name: str) -> None:
+        from miles_core.rollout.sglang_client import init_custom_process_group
+
+        self.broadcast_group = init_custom_process_group(self.broadcast_backend(), f"tcp://{address}:{port}",
+                                                         world_size, 0, group_name)
+
+    def broadcast_weights(self, urls: list[str], group_name: str, version: str, bucket_bytes: int) -> int:
+        from miles_core.weights import broadcast_to_engines
+
+        return broadcast_to_engines(self.hf_state_dict(), self.broadcast_group, urls, group_name, version, bucket_bytes)
+
+    def close_weight_broadcast(self) -> None:
+        group, self.broadcast_group = getattr(self, "broadcast_group", None), None
+        if group is not None:
+            dist.destroy_process_group(group)
 
     def export_hf(self, out_dir: str | Path) -> Path:
         """Save a standalone HF directory (config, safetensors weights, tokenizer)."""

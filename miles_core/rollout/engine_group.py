@@ -1,0 +1,107 @@
+"""Rollout engines as Ray actors serving SGLang's HTTP API, behind a health-aware router.
+
+The driver talks HTTP to every engine (embedded here, SGLang on a cluster: same client,
+same router, same failure handling). `EngineGroup.heal` replaces dead or hung engines and
+brings them to the current weights, while the router keeps the run going on the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import ray
+
+from miles_core.config import RunConfig
+from miles_core.rollout.router import Router
+from miles_core.rollout.sglang_client import SGLangClient
+
+log = logging.getLogger(__name__)
+
+
+class EngineActor:
+    """Hosts one embedded engine's HTTP server inside a Ray worker process."""
+
+    def __init__(self, model_dir: str, dtype: str, num_threads: int, bind_host: str):
+        from miles_core.rollout.http_server import serve
+
+        host = ray.util.get_node_ip_address() if bind_host == "node_ip" else "127.0.0.1"
+        self.handle = serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads)
+
+    def url(self) -> str:
+        return self.handle.url
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def update_weights_from_tensors(self, named_tensors: dict, weight_version: str) -> dict:
+        """Same-node path: tensors arrive through Ray's object store, loaded under the engine
+        lock so a generation in progress finishes on the old weights."""
+        service = self.handle.service
+        with service.lock:
+            return service.load_tensors(named_tensors, weight_version)
+
+    def weights_sha256(self) -> str:
+        return self.handle.service.weights_sha256()
+
+
+class EngineGroup:
+    """N engine actors, their HTTP clients and a router; restarts the ones that die."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, scheduling: Callable[[int], dict] = lambda rank: {}):
+        self.cfg, self.model_dir, self.scheduling = cfg, model_dir, scheduling
+        self.actor_cls = ray.remote(num_cpus=cfg.rollout.cpus_per_engine, num_gpus=cfg.rollout.gpus_per_engine,
+                                    max_restarts=0)(EngineActor)
+        self.actors = [self._start(rank) for rank in range(cfg.rollout.num_engines)]
+        self.urls = ray.get([a.url.remote() for a in self.actors])
+        client_kwargs = {"timeout_seconds": cfg.rollout.request_timeout_seconds}
+        self.router = Router([SGLangClient(u, **client_kwargs) for u in self.urls])
+        self.restarts = 0
+
+    def _start(self, rank: int):
+        r = self.cfg.rollout
+        return self.actor_cls.options(name=None, **self.scheduling(rank)).remote(
+            self.model_dir, self.cfg.model.dtype, self.cfg.training.num_threads, r.bind_host)
+
+    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any]) -> list[dict]:
+        return self.router.generate(input_ids, sampling_params, return_logprob=True)
+
+    @property
+    def num_healthy(self) -> int:
+        return len(self.router.healthy_urls)
+
+    def dead_ranks(self) -> list[int]:
+        """Engines whose process is gone or whose server no longer answers."""
+        health = self.router.check_health()
+        return [rank for rank, url in enumerate(self.urls) if not health.get(url, False)]
+
+    def targets(self) -> list[tuple[Any, str]]:
+        return list(zip(self.actors, self.urls))
+
+    def heal(self) -> list[int]:
+        """Kill and restart every dead or hung engine; the caller then pushes the current
+        weights to all engines (which re-admits the new ones once healthy)."""
+        replaced = self.dead_ranks()
+        for rank in replaced:
+            log.warning("engine %d at %s is down; restarting it", rank, self.urls[rank])
+            ray.kill(self.actors[rank], no_restart=True)
+            self.actors[rank] = self._start(rank)
+            self.urls[rank] = ray.get(self.actors[rank].url.remote())
+            self.router.slots[rank].client = SGLangClient(self.urls[rank],
+                                                          timeout_seconds=self.cfg.rollout.request_timeout_seconds)
+            self.restarts += 1
+        return replaced
+
+    def wait_all_healthy(self, timeout_seconds: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_seconds
+        while self.dead_ranks():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engines {self.dead_ranks()} not healthy after {timeout_seconds} s")
+            time.sleep(0.5)
+
+    def shutdown(self) -> None:
+        self.router.close()
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
