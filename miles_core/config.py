@@ -131,6 +131,15 @@ class RolloutConfig(Section):
     """Engine HTTP servers bind to 127.0.0.1 (one-machine clusters) or the Ray node's IP."""
     request_timeout_seconds: float = Field(300.0, gt=0)
     """An engine that does not answer a generate request within this is treated as hung."""
+    loop: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    """Rollout schedule: sync (generate, then train), one_step_off (generate step k+1 while
+    step k trains), fully_async (a persistent producer with a bounded buffer)."""
+    max_weight_staleness: int = Field(1, ge=0)
+    """fully_async: batches generated more than this many weight versions ago are stale."""
+    stale_policy: Literal["drop", "retry"] = "drop"
+    """fully_async: a stale batch is dropped (the next one is used) or regenerated at once."""
+    async_buffer_batches: int = Field(1, ge=1)
+    """fully_async: batches the producer may generate ahead of the trainer."""
     verify_weight_sync: bool = False
     """After each sync, compare a sha256 of engine and trainer weights (slow on big models)."""
     cpus_per_engine: float = Field(1.0, gt=0)
@@ -234,6 +243,9 @@ class AlgorithmConfig(Section):
     teacher_source: str | None = None
     """Teacher model for distillation: a model source like model.source, or `warmup` for the
     SFT warm-up's result (the student then starts from model.source untouched)."""
+    old_logprob_source: Literal["trainer", "rollout"] = "trainer"
+    """Log-probs the PPO ratio is taken against: recomputed by the trainer before the update,
+    or the rollout engine's (the behaviour policy; an off-policy correction for async loops)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal, over-sample until full."""
     max_sampling_rounds: int = Field(4, ge=1)
@@ -382,6 +394,10 @@ class RunConfig(Section):
         if self.algorithm.name in GROUP_ALGORITHMS and self.rollout.num_samples_per_prompt < 2:
             raise ValueError(f"{self.algorithm.name} compares samples within a group: set "
                              "rollout.num_samples_per_prompt >= 2")
+        if (self.rollout.loop != "sync" and self.algorithm.name != "sft" and self.algorithm.correction.kind == "none"
+                and self.algorithm.old_logprob_source == "trainer"):
+            raise ValueError(f"rollout.loop={self.rollout.loop} trains on off-policy samples: set "
+                             "algorithm.correction.kind=tis (or icepop/mis) or algorithm.old_logprob_source=rollout")
         if self.rollout.engine == "sglang" and self.rollout.gpus_per_engine == 0:
             raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1")
         return self

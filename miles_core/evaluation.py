@@ -1,27 +1,166 @@
-"""Held-out evaluation: greedy pass@1 through the same engine code that generates rollouts."""
+"""Held-out evaluation through the same engine code that generates rollouts.
+
+`evaluate_dataset` samples n responses per prompt and reports pass@k with the unbiased
+estimator of Chen et al. (2021), `evaluate_all` covers every dataset of a recipe, and
+`run_external_eval` delegates to a user command (eval.mode=external_command).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
 
-from miles_core.data import Prompt
+from miles_core.config import RunConfig
+from miles_core.data import Prompt, read_prompts
 from miles_core.rewards import get_reward
-from miles_core.rollout.engine import EmbeddedEngine
+
+MAX_EXAMPLES = 8
+HELDOUT = "heldout"
 
 
-def evaluate_greedy(engine: EmbeddedEngine, prompts: list[Prompt], reward: str,
-                    max_new_tokens: int, batch_size: int) -> dict[str, Any]:
-    """pass@1 of greedy decoding: the fraction of prompts whose response scores > 0."""
+class ExternalEvalError(RuntimeError):
+    """The external evaluation command failed, timed out, or wrote no usable JSON."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k).
+
+    Computed as 1 - prod_{i=n-c+1..n} (1 - k/i): the binomials overflow floats for large n,
+    the product stays in [0, 1].
+    """
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 1 <= k <= n (k samples drawn out of n), got n={n}, k={k}")
+    if n - c < k:  # every k-subset contains a correct sample
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def _generate_all(engine, prompts: list[Prompt], params: dict, num_samples: int,
+                  batch_size: int, seed: int | None) -> list[list[str]]:
+    """num_samples response texts per prompt; a batch holds batch_size sequences."""
+    flat = [p for p in prompts for _ in range(num_samples)]
+    texts: list[str] = []
+    for batch_no, start in enumerate(range(0, len(flat), batch_size)):
+        chunk = flat[start : start + batch_size]
+        # A distinct, reproducible seed per batch: same seed -> same samples on a rerun.
+        batch_seed = None if seed is None else seed + batch_no
+        outputs = engine.generate([p.input_ids for p in chunk], params, return_logprob=False, seed=batch_seed)
+        texts.extend(out["text"] for out in outputs)
+    return [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
+
+
+def evaluate_dataset(engine, prompts: list[Prompt], reward: str, *, num_samples: int = 1,
+                     temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int,
+                     batch_size: int, pass_k: Sequence[int] = (1,), seed: int | None = None) -> dict[str, Any]:
+    """pass@1, pass@k (each requested k <= n), avg@n and a few examples of one dataset.
+
+    A response is correct when its reward is > 0. avg@n is the mean reward over all n
+    samples of all prompts (equal to pass@1 for 0/1 rewards, not for +-1 rewards like dapo).
+    """
+    if not prompts:
+        raise ValueError("evaluate_dataset: no prompts")
+    if num_samples < 1:
+        raise ValueError(f"evaluate_dataset: num_samples must be >= 1, got {num_samples}")
+    if temperature == 0 and num_samples != 1:
+        raise ValueError(f"greedy decoding (temperature=0) gives one response per prompt, but num_samples="
+                         f"{num_samples}: set temperature > 0 or num_samples_per_prompt=1")
     score = get_reward(reward)
-    params = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
-    correct, examples = 0, []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        outputs = engine.generate([p.input_ids for p in chunk], params, return_logprob=False)
-        for prompt, out in zip(chunk, outputs):
-            ok = score(out["text"], prompt.label) > 0
-            correct += ok
-            if len(examples) < 8:
-                examples.append({"prompt": prompt.messages, "response": out["text"],
-                                 "label": prompt.label, "correct": bool(ok)})
-    return {"pass@1": correct / len(prompts), "num_prompts": len(prompts), "examples": examples}
+    params = {"temperature": float(temperature), "top_p": float(top_p), "max_new_tokens": int(max_new_tokens)}
+    responses = _generate_all(engine, prompts, params, num_samples, batch_size, seed)
+    rewards = [[float(score(text, p.label)) for text in texts] for p, texts in zip(prompts, responses)]
+    correct = [sum(r > 0 for r in row) for row in rewards]
+    result: dict[str, Any] = {}
+    for k in sorted({1, *pass_k}):
+        if k <= num_samples:
+            result[f"pass@{k}"] = sum(pass_at_k(num_samples, c, k) for c in correct) / len(prompts)
+    result[f"avg@{num_samples}"] = sum(map(sum, rewards)) / (len(prompts) * num_samples)
+    result["num_prompts"], result["num_samples"] = len(prompts), num_samples
+    result["examples"] = [{"prompt": p.messages, "label": p.label, "responses": texts, "rewards": row}
+                          for p, texts, row in list(zip(prompts, responses, rewards))[:MAX_EXAMPLES]]
+    return result
+
+
+def evaluate_greedy(engine, prompts: list[Prompt], reward: str, max_new_tokens: int,
+                    batch_size: int) -> dict[str, Any]:
+    """pass@1 of greedy decoding: the fraction of prompts whose response scores > 0."""
+    result = evaluate_dataset(engine, prompts, reward, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    examples = [{"prompt": e["prompt"], "response": e["responses"][0], "label": e["label"],
+                 "correct": e["rewards"][0] > 0} for e in result["examples"]]
+    return {"pass@1": result["pass@1"], "num_prompts": result["num_prompts"], "examples": examples}
+
+
+def evaluate_all(cfg: RunConfig, model_dir: str | Path, default_eval_path: str | Path,
+                 external_timeout_seconds: float = 3600) -> dict[str, dict[str, Any]]:
+    """{dataset name: result} for the held-out set ("heldout") and every eval.datasets entry."""
+    names = [d.name for d in cfg.eval.datasets]
+    if HELDOUT in names or len(set(names)) != len(names):
+        raise ValueError(f"eval.datasets names must be unique and not {HELDOUT!r} (the default held-out set): {names}")
+    if cfg.eval.mode == "external_command":
+        if not cfg.eval.external_command:
+            raise ValueError("eval.mode=external_command needs eval.external_command")
+        with tempfile.TemporaryDirectory(prefix="miles-eval-") as tmp:
+            metrics = run_external_eval(cfg.eval.external_command, str(model_dir), str(Path(tmp) / "eval.json"),
+                                        external_timeout_seconds)
+        return {HELDOUT: metrics}
+    from miles_core.rollout.engine import EmbeddedEngine  # torch + transformers: only when generating
+
+    engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads)
+    e = cfg.eval
+    results = {HELDOUT: evaluate_dataset(
+        engine, read_prompts(default_eval_path, cfg.data, engine.tokenizer), cfg.rollout.reward,
+        max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, pass_k=e.pass_k, seed=cfg.seed)}
+    for ds in e.datasets:
+        results[ds.name] = evaluate_dataset(
+            engine, read_prompts(ds.path, cfg.data, engine.tokenizer), ds.reward or cfg.rollout.reward,
+            num_samples=ds.num_samples_per_prompt, temperature=ds.temperature, top_p=ds.top_p,
+            max_new_tokens=ds.max_new_tokens or e.max_new_tokens, batch_size=e.batch_size,
+            pass_k=e.pass_k, seed=cfg.seed)
+    return results
+
+
+def _tail(text: str | bytes | None, chars: int = 2000) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-chars:]
+
+
+def run_external_eval(command: str, model_dir: str, output_json_path: str,
+                      timeout_seconds: float) -> dict[str, Any]:
+    """Run `command` (placeholders {model_dir}, {output_json}) and read the metrics it writes.
+
+    The command is split with shlex and run without a shell, and placeholders are replaced
+    inside each argument, so paths with spaces or quotes stay one argument.
+    """
+    args = [a.replace("{model_dir}", str(model_dir)).replace("{output_json}", str(output_json_path))
+            for a in shlex.split(command)]
+    if not args:
+        raise ExternalEvalError("eval.external_command is empty")
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout_seconds)
+    except subprocess.TimeoutExpired as exc:
+        raise ExternalEvalError(f"external eval {args[0]!r} timed out after {timeout_seconds:g} s; "
+                                f"stderr tail:\n{_tail(exc.stderr)}") from None
+    except OSError as exc:
+        raise ExternalEvalError(f"external eval {args[0]!r} could not start: {exc}") from None
+    if proc.returncode != 0:
+        raise ExternalEvalError(f"external eval {args[0]!r} exited with {proc.returncode}; "
+                                f"stderr tail:\n{_tail(proc.stderr)}")
+    try:
+        metrics = json.loads(Path(output_json_path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ExternalEvalError(f"external eval {args[0]!r} succeeded but {output_json_path} is missing or not "
+                                f"JSON ({exc}); stderr tail:\n{_tail(proc.stderr)}") from None
+    if not isinstance(metrics, dict) or not isinstance(metrics.get("pass@1"), (int, float)):
+        raise ExternalEvalError(f"external eval wrote {str(metrics)[:200]!r}; expected an object with a numeric 'pass@1'")
+    metrics["pass@1"] = float(metrics["pass@1"])
+    metrics.setdefault("examples", [])
+    return metrics

@@ -1,4 +1,5 @@
-"""The synchronous RL loop: rollout -> reward -> advantages -> train -> weight sync.
+"""The RL loop: rollout -> reward -> train -> weight sync, under a rollout schedule
+(sync, one-step-off or fully async; see miles_core.schedules).
 
 Runs in the driver process; trainer and engines are Ray actors. Resumable: everything the
 next step depends on (weights, optimizer, data cursor, RNG, step, weight version) is in the
@@ -23,6 +24,7 @@ from miles_core import checkpoint as ckpt
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, Sample, sft_samples
 from miles_core.rollout.manager import RolloutManager
+from miles_core.schedules import SCHEDULES, RolloutBatch, timed
 from miles_core.weights import WeightTransport
 
 log = logging.getLogger(__name__)
@@ -71,8 +73,8 @@ def rollout_metrics(cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
     }
 
 
-def save(cfg: RunConfig, trainer: Any, run_dir: Path, state: LoopState, source: PromptSource) -> Path:
-    extra = {"step": state.step, "weight_version": state.weight_version, "data": source.state_dict()}
+def save(cfg: RunConfig, trainer: Any, run_dir: Path, state: LoopState, cursor: dict) -> Path:
+    extra = {"step": state.step, "weight_version": state.weight_version, "data": cursor}
 
     def write(staging: Path) -> None:
         ray.get(trainer.save_state.remote(str(staging), extra))
@@ -82,49 +84,59 @@ def save(cfg: RunConfig, trainer: Any, run_dir: Path, state: LoopState, source: 
     return path
 
 
-def rl_step(cfg: RunConfig, manager: RolloutManager, trainer: Any, source: PromptSource,
-            state: LoopState) -> dict[str, float]:
-    started = time.perf_counter()
-    samples, sampling = collect_rollouts(cfg, manager, source, seed=cfg.seed * 100_003 + state.step * 97)
-    stale = {s.weight_version for s in samples} - {str(state.weight_version)}
-    if stale:  # the sync loop never trains on samples from an older policy
-        raise RuntimeError(f"samples from weight versions {stale}, expected {state.weight_version}")
-    generated = time.perf_counter()
-    metrics = rollout_metrics(cfg, samples) | sampling | ray.get(trainer.train_step.remote(samples))
-    return metrics | {"time/rollout_seconds": generated - started, "time/train_seconds": time.perf_counter() - generated}
+def make_producer(cfg: RunConfig, manager: RolloutManager, source: PromptSource, tokenizer: Any):
+    """(step, engine version) -> RolloutBatch: RL rollouts, or dataset labels for SFT."""
 
-
-def sft_step(cfg: RunConfig, tokenizer: Any, trainer: Any, source: PromptSource, state: LoopState) -> dict[str, float]:
-    started = time.perf_counter()
-    batch = sft_samples(source.next_batch(cfg.rollout.num_prompts_per_step), tokenizer)
-    loss = ray.get(trainer.sft_step.remote(batch))
-    return {"train/loss": loss, "time/train_seconds": time.perf_counter() - started}
-
-
-def run_sync_loop(cfg: RunConfig, trainer: Any, engines: Any, transport: WeightTransport,
-                  source: PromptSource, run_dir: Path, state: LoopState, tokenizer: Any,
-                  on_metrics: MetricsFn, on_checkpoint: Callable[[int], None],
-                  on_step: Callable[[LoopState], None] = lambda s: None) -> LoopState:
-    manager = RolloutManager(engines, cfg.rollout, cfg.rollout.reward)
-    while state.step < cfg.training.num_steps:
-        started = time.perf_counter()
+    def produce(step: int, version: int) -> RolloutBatch:
         if cfg.algorithm.name == "sft":
-            metrics = sft_step(cfg, tokenizer, trainer, source, state)
-        else:
-            metrics = rl_step(cfg, manager, trainer, source, state)
-        if not math.isfinite(metrics["train/loss"]):  # permanent: a retry would diverge again
-            raise FloatingPointError(f"non-finite loss at step {state.step + 1}: {metrics['train/loss']}; "
-                                     "lower training.lr or check the rewards")
-        state.step += 1
-        state.weight_version += 1
-        # Dead or hung engines are replaced before the push, which then brings them up to date.
-        metrics["rollout/engine_restarts"] = float(len(engines.heal()))
-        metrics |= transport.push(trainer, engines.targets(), state.weight_version)
-        metrics["time/step_seconds"] = time.perf_counter() - started
-        state.history.append({"step": state.step, **metrics})
-        on_metrics(state.step, metrics)
-        if state.step % cfg.checkpoint.interval_steps == 0 or state.step == cfg.training.num_steps:
-            save(cfg, trainer, run_dir, state, source)
-            on_checkpoint(state.step)
-        on_step(state)
+            samples = sft_samples(source.next_batch(cfg.rollout.num_prompts_per_step), tokenizer)
+            return RolloutBatch(samples, {}, version, source.state_dict())
+        samples, sampling = collect_rollouts(cfg, manager, source, seed=cfg.seed * 100_003 + step * 97)
+        versions = {s.weight_version for s in samples}
+        if versions != {str(version)}:  # weights changed mid-generation: a correctness bug, never retried
+            raise RuntimeError(f"batch for step {step} mixes weight versions {versions}, expected {version}")
+        return RolloutBatch(samples, rollout_metrics(cfg, samples) | sampling, version, source.state_dict())
+
+    return timed(produce)
+
+
+def train_on(cfg: RunConfig, trainer: Any, batch: RolloutBatch) -> dict[str, float]:
+    started = time.perf_counter()
+    if cfg.algorithm.name == "sft":
+        metrics = {"train/loss": ray.get(trainer.sft_step.remote(batch.samples))}
+    else:
+        metrics = ray.get(trainer.train_step.remote(batch.samples))
+    if not math.isfinite(metrics["train/loss"]):  # permanent: a retry would diverge again
+        raise FloatingPointError(f"non-finite loss: {metrics['train/loss']}; lower training.lr or check the rewards")
+    return metrics | {"time/train_seconds": time.perf_counter() - started}
+
+
+def run_loop(cfg: RunConfig, trainer: Any, engines: Any, transport: WeightTransport,
+             source: PromptSource, run_dir: Path, state: LoopState, tokenizer: Any,
+             on_metrics: MetricsFn, on_checkpoint: Callable[[int], None],
+             on_step: Callable[[LoopState], None] = lambda s: None) -> LoopState:
+    manager = RolloutManager(engines, cfg.rollout, cfg.rollout.reward)
+    schedule = SCHEDULES[cfg.rollout.loop](make_producer(cfg, manager, source, tokenizer), cfg)
+    try:
+        while state.step < cfg.training.num_steps:
+            started = time.perf_counter()
+            batch = schedule.next(state.step, state.weight_version)
+            waited = time.perf_counter() - started
+            metrics = batch.metrics | train_on(cfg, trainer, batch)
+            state.step += 1
+            state.weight_version += 1
+            with schedule.hold_engines():  # no generation runs while weights change
+                metrics["rollout/engine_restarts"] = float(len(engines.heal()))
+                metrics |= transport.push(trainer, engines.targets(), state.weight_version)
+            metrics |= {"time/rollout_seconds": batch.seconds, "time/rollout_wait_seconds": waited,
+                        "time/step_seconds": time.perf_counter() - started,
+                        "rollout/weight_version": float(batch.version)}
+            state.history.append({"step": state.step, **metrics})
+            on_metrics(state.step, metrics)
+            if state.step % cfg.checkpoint.interval_steps == 0 or state.step == cfg.training.num_steps:
+                save(cfg, trainer, run_dir, state, batch.cursor)
+                on_checkpoint(state.step)
+            on_step(state)
+    finally:
+        schedule.close()
     return state

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from miles_core import checkpoint as ckpt
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, read_prompts
-from miles_core.loop import LoopState, MetricsFn, run_sync_loop
+from miles_core.loop import LoopState, MetricsFn, run_loop
 from miles_core.placement import Placement
 from miles_core.rollout.engine_group import EngineGroup
 from miles_core.training.fsdp import FSDPTrainer
@@ -92,7 +92,7 @@ def _resume_and_loop(cfg: RunConfig, run_dir: Path, source: PromptSource, tokeni
         log.info("resumed from checkpoint step %d (%s)", resumed_from, path)
     else:
         ckpt.discard_after(checkpoints, -1)
-    state = run_sync_loop(cfg, trainer, engines, transport, source, run_dir, state, tokenizer,
+    state = run_loop(cfg, trainer, engines, transport, source, run_dir, state, tokenizer,
                           on_metrics, on_checkpoint, on_step)
     export_dir = run_dir / "hf_export"
     ray.get(trainer.export_hf.remote(str(export_dir)))

@@ -158,11 +158,14 @@ class FSDPTrainer:
         cfg = self.algorithm
         batch = pad_batch(samples, self.tokenizer.pad_token_id)
         self._score(batch)
+        if cfg.old_logprob_source == "rollout":  # ratio against the behaviour policy
+            batch["trainer_logp"], batch["old_logp"] = batch["old_logp"], batch["rollout_logp"] * batch["mask"]
         objectives.compute_advantages(cfg, batch, self.group_size)
         weights = objectives.importance_weights(cfg, batch)
         batch["is_weights"] = weights if weights is not None else torch.ones_like(batch["mask"])
         mask = batch["mask"]
-        metrics = {k: float(v) for k, v in algo.mismatch_metrics(batch["old_logp"], batch["rollout_logp"], mask).items()}
+        train_logp = batch.get("trainer_logp", batch["old_logp"])
+        metrics = {k: float(v) for k, v in algo.mismatch_metrics(train_logp, batch["rollout_logp"], mask).items()}
         metrics["rollout/train_logprob_abs_diff"] = metrics["mismatch/logprob_abs_diff"]
         metrics["train/advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
         if self.teacher is not None:

@@ -26,6 +26,8 @@ ALGORITHMS = {
     "reinforce_pp": [],
     "reinforce_pp_baseline": [],
     "cispo": ["training.num_updates_per_step=2", "algorithm.eps_clip_high=2.0"],
+    # Async: generation of step k+1 overlaps training of step k; TIS corrects the lag.
+    "grpo@one_step_off": ["rollout.loop=one_step_off", "algorithm.correction.kind=tis"],
 }
 
 
@@ -48,19 +50,19 @@ def accuracy(model_dir, prompts) -> float:
     return evaluate_greedy(EmbeddedEngine(str(model_dir), num_threads=2), prompts, "exact_match", 6, 256)["pass@1"]
 
 
-def run(warm, name, overrides, model_dir, steps=RL_STEPS, teacher_dir=None):
+def run(warm, name, overrides, model_dir, steps=RL_STEPS, teacher_dir=None, run_name=None):
     cfg = build_config(yaml.safe_load(open(REPO / "configs/local.yaml")),
                        [f"algorithm.name={name}", f"training.num_steps={steps}", "checkpoint.interval_steps=1000",
                         *overrides])
     spec = TrainSpec(cfg.model_dump(mode="json"), str(model_dir), str(warm["train"]),
-                     str(warm["root"] / f"run-{name}"), teacher_dir=teacher_dir and str(teacher_dir))
+                     str(warm["root"] / f"run-{run_name or name}"), teacher_dir=teacher_dir and str(teacher_dir))
     return run_training(spec)
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_objective_raises_heldout_accuracy(warm, name):
     before = accuracy(warm["warm"], warm["eval"])
-    result = run(warm, name, ALGORITHMS[name], warm["warm"])
+    result = run(warm, name.split("@")[0], ALGORITHMS[name], warm["warm"], run_name=name)
     after = accuracy(result.hf_export_dir, warm["eval"])
     rewards = [h["rollout/reward_mean"] for h in result.history]
     print(f"{name}: pass@1 {before:.3f} -> {after:.3f}; reward {statistics.fmean(rewards[:5]):.3f} -> "

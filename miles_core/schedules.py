@@ -1,0 +1,148 @@
+"""When rollouts are generated relative to training: sync, one-step-off, fully async.
+
+Each schedule hands the loop one `RolloutBatch` per step and brackets every weight push
+(`hold_engines`), so weights never change while a batch is being generated.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+from miles_core.config import RunConfig
+from miles_core.data import Sample
+
+
+@dataclass
+class RolloutBatch:
+    samples: list[Sample]
+    metrics: dict[str, float]
+    version: int
+    """Weight version the engines held while generating this batch."""
+    cursor: dict = field(default_factory=dict)
+    """Prompt-source state right after this batch was drawn (what a checkpoint stores)."""
+    seconds: float = 0.0
+
+
+Producer = Callable[[int, int], RolloutBatch]  # (step, engine weight version) -> batch
+
+
+class SyncSchedule:
+    """Generate step k's batch, then train on it: always on-policy."""
+
+    def __init__(self, produce: Producer, cfg: RunConfig):
+        self.produce = produce
+
+    def next(self, step: int, version: int) -> RolloutBatch:
+        return self.produce(step, version)
+
+    @contextmanager
+    def hold_engines(self):
+        yield
+
+    def close(self) -> None:
+        pass
+
+
+class OneStepOffSchedule:
+    """Generate step k+1 while step k trains; the push after step k waits for that
+    generation to finish, so every batch is exactly one version behind the trainer."""
+
+    def __init__(self, produce: Producer, cfg: RunConfig):
+        self.produce, self.num_steps = produce, cfg.training.num_steps
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="one-step-off")
+        self.pending: Future | None = None
+
+    def next(self, step: int, version: int) -> RolloutBatch:
+        batch = self.pending.result() if self.pending else self.produce(step, version)
+        self.pending = self.pool.submit(self.produce, step + 1, version) if step + 1 < self.num_steps else None
+        return batch
+
+    @contextmanager
+    def hold_engines(self):
+        if self.pending is not None:
+            self.pending.exception()  # waits; errors surface in next()
+        yield
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class FullyAsyncSchedule:
+    """A persistent producer fills a bounded buffer with the newest weights it has; batches
+    more than `max_weight_staleness` versions behind are dropped or regenerated."""
+
+    def __init__(self, produce: Producer, cfg: RunConfig):
+        r = cfg.rollout
+        self.produce, self.max_staleness, self.policy = produce, r.max_weight_staleness, r.stale_policy
+        self.buffer: queue.Queue[RolloutBatch | BaseException] = queue.Queue(maxsize=r.async_buffer_batches)
+        self.engine_lock = threading.Lock()
+        self.engine_version, self.produced = 0, 0
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.dropped = 0
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                with self.engine_lock:
+                    batch = self.produce(self.produced, self.engine_version)
+                self.produced += 1
+                while not self.stop.is_set():
+                    try:
+                        self.buffer.put(batch, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            self.buffer.put(exc)
+
+    def next(self, step: int, version: int) -> RolloutBatch:
+        if self.thread is None:
+            self.engine_version, self.produced = version, step
+            self.thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+            self.thread.start()
+        while True:
+            item = self.buffer.get()
+            if isinstance(item, BaseException):
+                raise item
+            staleness = version - item.version
+            if staleness <= self.max_staleness:
+                item.metrics |= {"async/staleness": float(staleness), "async/dropped_batches": float(self.dropped)}
+                return item
+            self.dropped += 1
+            if self.policy == "retry":  # regenerate now, with the current weights
+                with self.engine_lock:
+                    fresh = self.produce(step, self.engine_version)
+                fresh.metrics |= {"async/staleness": float(version - fresh.version),
+                                  "async/dropped_batches": float(self.dropped)}
+                return fresh
+
+    @contextmanager
+    def hold_engines(self):
+        with self.engine_lock:
+            yield
+            self.engine_version += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=60)
+
+
+SCHEDULES = {"sync": SyncSchedule, "one_step_off": OneStepOffSchedule, "fully_async": FullyAsyncSchedule}
+
+
+def timed(produce: Callable[[int, int], RolloutBatch]) -> Producer:
+    def run(step: int, version: int) -> RolloutBatch:
+        started = time.perf_counter()
+        batch = produce(step, version)
+        batch.seconds = time.perf_counter() - started
+        return batch
+
+    return run
