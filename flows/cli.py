@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from miles_core.config import ConfigError, RunConfig, field_docs, load_config
+from miles_core.placement import describe, strategy
 
 app = typer.Typer(help="RL post-training as durable Prefect flows.", no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -73,6 +74,9 @@ def layout_rows(cfg: RunConfig) -> list[tuple[str, str]]:
                   f"<= {cfg.rollout.max_new_tokens} new tokens"),
         ("steps", f"{cfg.warmup.sft_steps} SFT warm-up, {cfg.training.num_steps} {cfg.algorithm.name} steps, "
                   f"checkpoint every {cfg.checkpoint.interval_steps}"),
+        ("loop", f"{cfg.rollout.loop}, weights by {cfg.rollout.weight_transport}"),
+        ("placement", f"{cfg.placement.layout}: {strategy(cfg)} placement group"),
+        *describe(cfg),
     ]
 
 

@@ -127,6 +127,8 @@ class RolloutConfig(Section):
     or an HF safetensors directory on shared disk."""
     broadcast_bucket_megabytes: int = Field(512, ge=1)
     """Bucket size of the broadcast transport (one engine request per bucket)."""
+    server_args: dict[str, Any] = {}
+    """SGLang server args (e.g. {mem_fraction_static: 0.8}); unknown ones are dropped with a warning."""
     bind_host: Literal["loopback", "node_ip"] = "loopback"
     """Engine HTTP servers bind to 127.0.0.1 (one-machine clusters) or the Ray node's IP."""
     request_timeout_seconds: float = Field(300.0, gt=0)
@@ -398,6 +400,9 @@ class RunConfig(Section):
                 and self.algorithm.old_logprob_source == "trainer"):
             raise ValueError(f"rollout.loop={self.rollout.loop} trains on off-policy samples: set "
                              "algorithm.correction.kind=tis (or icepop/mis) or algorithm.old_logprob_source=rollout")
+        if self.rollout.engine == "sglang" and self.rollout.weight_transport == "object_store":
+            raise ValueError("SGLang engines run in their own process: set rollout.weight_transport=broadcast "
+                             "(or disk)")
         if self.rollout.engine == "sglang" and self.rollout.gpus_per_engine == 0:
             raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1")
         return self

@@ -13,7 +13,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from miles_core.config import TinyModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the tokenizer builder must import without pydantic (GPU hosts)
+    from miles_core.config import TinyModelConfig
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHARACTERS = list(string.digits + "+-*=?.,:;()[]{}\\/ _" + string.ascii_letters + "\n")
@@ -40,7 +43,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(shape: TinyModelConfig, out_dir: str | Path) -> Path:
+def build_tiny_model(shape: "TinyModelConfig", out_dir: str | Path) -> Path:
     """Write a randomly initialised tiny Qwen3 + its tokenizer as an HF directory."""
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()

@@ -1,4 +1,4 @@
-"""Weight-sync transports: trainer (HF names) -> rollout engines, stamped with a version.
+"""Weight-sync transports (Ray is imported lazily: engines load this module on GPU hosts without Ray): trainer (HF names) -> rollout engines, stamped with a version.
 
 Each transport pushes the trainer's full weights to a list of engine targets (actor, url)
 and can verify the result by comparing a sha256 of the exact bytes on both sides.
@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-import ray
 import torch
 
 Target = tuple[Any, str]  # (engine actor handle, engine base URL)
@@ -34,6 +33,8 @@ class WeightTransport(Protocol):
 
 
 def _verify(trainer: Any, targets: list[Target], version: int) -> None:
+    import ray
+
     expected = ray.get(trainer.weights_sha256.remote())
     got = ray.get([actor.weights_sha256.remote() for actor, _ in targets])
     if any(g != expected for g in got):
@@ -54,6 +55,8 @@ class ObjectStoreTransport:
         self.verify = verify
 
     def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
+        import ray
+
         started = time.perf_counter()
         state_ref = trainer.hf_state_dict.remote()
         _check(ray.get([actor.update_weights_from_tensors.remote(state_ref, str(version)) for actor, _ in targets]),
@@ -71,6 +74,8 @@ class DiskTransport:
         self.sync_dir, self.verify = Path(sync_dir), verify
 
     def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
+        import ray
+
         from miles_core.rollout.sglang_client import SGLangClient
 
         started = time.perf_counter()
@@ -101,6 +106,8 @@ class BroadcastTransport:
         return f"miles-weights-{self.generation}"
 
     def _connect(self, trainer: Any, urls: tuple[str, ...]) -> None:
+        import ray
+
         from miles_core.rollout.sglang_client import SGLangClient
 
         if self.members:
@@ -120,6 +127,8 @@ class BroadcastTransport:
         self.members = urls
 
     def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
+        import ray
+
         started = time.perf_counter()
         urls = tuple(url for _, url in targets)
         if urls != self.members:

@@ -28,10 +28,14 @@ class EmbeddedEngine:
     """A transformers model that generates batches of token-id prompts."""
 
     def __init__(self, model_dir: str, dtype: str = "float32", num_threads: int | None = None,
-                 device: str = "cpu"):
+                 device: str | None = None, max_batch_size: int = 1024, static_cache: bool | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.device = torch.device(device)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # On GPU: a static KV cache makes transformers compile the decode step (CUDA graphs),
+        # and log-probs come from one batched re-scoring pass instead of per-step full-vocab logits.
+        self.fast = self.device.type == "cuda" if static_cache is None else static_cache
+        self.max_batch_size = max_batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
@@ -60,31 +64,57 @@ class EmbeddedEngine:
     @torch.no_grad()
     def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
                  return_logprob: bool = True, seed: int | None = None) -> list[dict[str, Any]]:
+        if seed is not None:
+            torch.manual_seed(seed)
+        outputs = []
+        for start in range(0, len(input_ids), self.max_batch_size):
+            outputs.extend(self._generate_batch(input_ids[start : start + self.max_batch_size], sampling_params,
+                                                return_logprob))
+        return outputs
+
+    def _generate_batch(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
+                        return_logprob: bool) -> list[dict[str, Any]]:
         temperature = float(sampling_params.get("temperature", 1.0))
         max_new_tokens = int(sampling_params.get("max_new_tokens", 16))
         greedy = temperature == 0.0
         batch, attention = self._left_pad(input_ids)
+        stop_ids = [] if sampling_params.get("ignore_eos") else [self.eos_id]
         config = GenerationConfig(
             do_sample=not greedy,
             temperature=None if greedy else temperature,
             top_p=None if greedy else float(sampling_params.get("top_p", 1.0)),
             top_k=None if greedy else int(sampling_params.get("top_k", 0)) or None,
             max_new_tokens=max_new_tokens,
-            eos_token_id=[self.eos_id, *sampling_params.get("stop_token_ids", [])],
+            eos_token_id=[*stop_ids, *sampling_params.get("stop_token_ids", [])] or None,
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
-            output_logits=return_logprob,
+            output_logits=return_logprob and not self.fast,
+            cache_implementation="static" if self.fast else None,
         )
-        if seed is not None:
-            torch.manual_seed(seed)
         out = self.model.generate(input_ids=batch, attention_mask=attention, generation_config=config)
-        new_tokens = out.sequences[:, batch.shape[1]:].cpu()
+        new_tokens = out.sequences[:, batch.shape[1]:]
         logprobs = None
         if return_logprob:
-            logits = torch.stack(out.logits, dim=1).float() / (1.0 if greedy else temperature)
-            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+            scale = 1.0 if greedy else temperature
+            logprobs = (self._rescore(out.sequences, attention, batch.shape[1], scale) if self.fast
+                        else torch.log_softmax(torch.stack(out.logits, dim=1).float() / scale, dim=-1)
+                        .gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)).cpu()
+        new_tokens = new_tokens.cpu()
         return [self._response(row, new_tokens[row], logprobs, len(input_ids[row]), max_new_tokens)
                 for row in range(len(input_ids))]
+
+    def _rescore(self, sequences: torch.Tensor, prompt_attention: torch.Tensor, prompt_width: int,
+                 temperature: float, rows_per_pass: int = 64) -> torch.Tensor:
+        """Log-probs of the generated tokens from one teacher-forced pass, a few rows at a time
+        so that [rows, length, vocab] logits stay small."""
+        attention = torch.cat([prompt_attention, torch.ones_like(sequences[:, prompt_width:])], dim=1)
+        pieces = []
+        for start in range(0, len(sequences), rows_per_pass):
+            seq, att = sequences[start : start + rows_per_pass], attention[start : start + rows_per_pass]
+            logits = self.model(input_ids=seq, attention_mask=att).logits[:, prompt_width - 1 : -1].float()
+            pieces.append(torch.log_softmax(logits / temperature, dim=-1)
+                          .gather(-1, seq[:, prompt_width:, None]).squeeze(-1))
+        return torch.cat(pieces)
 
     def _left_pad(self, input_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(ids) for ids in input_ids)

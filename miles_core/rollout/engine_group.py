@@ -22,16 +22,29 @@ log = logging.getLogger(__name__)
 
 
 class EngineActor:
-    """Hosts one embedded engine's HTTP server inside a Ray worker process."""
+    """Hosts one engine's HTTP server in a Ray worker: the embedded engine in-process, or
+    SGLang launched as a child process (`python -m sglang.launch_server`, GPU clusters)."""
 
-    def __init__(self, model_dir: str, dtype: str, num_threads: int, bind_host: str):
-        from miles_core.rollout.http_server import serve
-
+    def __init__(self, model_dir: str, dtype: str, num_threads: int, bind_host: str, engine: str = "embedded",
+                 server_args: dict | None = None):
         host = ray.util.get_node_ip_address() if bind_host == "node_ip" else "127.0.0.1"
-        self.handle = serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads)
+        self.handle = self.launcher = None
+        if engine == "sglang":
+            from miles_core.rollout.sglang_client import SGLangLauncher
+
+            self.launcher = SGLangLauncher(model_dir, {"dtype": dtype, **(server_args or {})}, host=host)
+            self.launcher.start()
+        else:
+            from miles_core.rollout.http_server import serve
+
+            self.handle = serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads)
 
     def url(self) -> str:
-        return self.handle.url
+        return self.launcher.url if self.launcher else self.handle.url
+
+    def __ray_shutdown__(self) -> None:
+        if self.launcher is not None:
+            self.launcher.stop()
 
     def pid(self) -> int:
         return os.getpid()
@@ -63,7 +76,7 @@ class EngineGroup:
     def _start(self, rank: int):
         r = self.cfg.rollout
         return self.actor_cls.options(name=None, **self.scheduling(rank)).remote(
-            self.model_dir, self.cfg.model.dtype, self.cfg.training.num_threads, r.bind_host)
+            self.model_dir, self.cfg.model.dtype, self.cfg.training.num_threads, r.bind_host, r.engine, r.server_args)
 
     def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any]) -> list[dict]:
         return self.router.generate(input_ids, sampling_params, return_logprob=True)

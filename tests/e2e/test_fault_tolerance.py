@@ -23,28 +23,40 @@ def work_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("faults")
 
 
-def miles(work: Path, *args: str, overrides=SHORT, **popen) -> subprocess.Popen:
+def miles(work: Path, *args: str, overrides=SHORT) -> subprocess.Popen:
+    """Start `miles ...` in its own session; output goes to a file (a pipe nobody reads
+    while the test polls would fill up and block the child)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)
     sets = [x for o in [*overrides, f"storage.work_dir={work}"] for x in ("--set", o)]
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args, *sets], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **popen)
+    log = open(work / f"miles-{time.time_ns()}.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args, *sets], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc.log = log
+    return proc
+
+
+def output(proc: subprocess.Popen) -> str:
+    proc.log.seek(0)
+    return proc.log.read()
 
 
 def finish(proc: subprocess.Popen, timeout: float = 900) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+    proc.wait(timeout=timeout)
+    out = output(proc)
     assert proc.returncode == 0, out[-4000:]
     return out
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.5)
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"miles exited ({proc.returncode}) before {what}:\n{output(proc)[-3000:]}")
+        time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -61,7 +73,7 @@ def assert_metrics_exactly_once(summary: dict) -> None:
 def test_trainer_killed_after_checkpoint_task_retry_resumes(work_dir):
     run_dir = work_dir / "killed-trainer"
     proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir))
-    wait_for(lambda: complete_steps(run_dir), 600, "the first checkpoint")
+    wait_for(lambda: complete_steps(run_dir), 600, "the first checkpoint", proc)
     trainer_pids = wait_for(lambda: subprocess.run(["pgrep", "-f", "ray::FSDPTrainer"], capture_output=True,
                                                    text=True).stdout.split(), 60, "the trainer actor")
     killed_after = complete_steps(run_dir)[-1]
@@ -79,7 +91,7 @@ def test_trainer_killed_after_checkpoint_task_retry_resumes(work_dir):
 def test_whole_process_killed_then_resume_skips_cached_stages(work_dir):
     run_dir = work_dir / "killed-run"
     proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir))
-    wait_for(lambda: len(complete_steps(run_dir)) >= 2, 600, "two checkpoints")
+    wait_for(lambda: len(complete_steps(run_dir)) >= 2, 600, "two checkpoints", proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     run_key = (run_dir / "RUN_KEY").read_text()
@@ -101,7 +113,8 @@ def test_whole_process_killed_then_resume_skips_cached_stages(work_dir):
 def test_bad_config_fails_fast_with_one_message(work_dir, tmp_path):
     proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(tmp_path / "bad"),
                  overrides=["training.lr=-1"])
-    out, _ = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    out = output(proc)
     assert proc.returncode == 2
     assert "training.lr" in out and "greater than 0" in out and "Traceback" not in out
     assert not (tmp_path / "bad").exists()
@@ -110,7 +123,8 @@ def test_bad_config_fails_fast_with_one_message(work_dir, tmp_path):
 def test_missing_model_path_fails_without_retries(work_dir, tmp_path):
     proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(tmp_path / "nomodel"),
                  overrides=[f"model.source={tmp_path / 'no-such-model'}"])
-    out, _ = proc.communicate(timeout=300)
+    proc.wait(timeout=300)
+    out = output(proc)
     assert proc.returncode != 0
     assert "no-such-model" in out and "does not exist" in out
     assert "Retry 1/" not in out

@@ -57,4 +57,6 @@ def test_hf_source_shape_and_sglang_needs_gpu():
     with pytest.raises(ConfigError, match="hf://org/repo"):
         build_config({"model": {"source": "hf://justrepo"}})
     with pytest.raises(ConfigError, match="gpus_per_engine"):
-        build_config({"rollout": {"engine": "sglang"}})
+        build_config({"rollout": {"engine": "sglang", "weight_transport": "broadcast"}})
+    with pytest.raises(ConfigError, match="weight_transport=broadcast"):
+        build_config({"rollout": {"engine": "sglang", "gpus_per_engine": 1}})

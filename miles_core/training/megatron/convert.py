@@ -178,7 +178,7 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, tp: int = 
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from miles_core.training.megatron.model import model_shape
+    from miles_core.training.megatron.model import model_shape, shutdown_parallel
 
     if pp != 1:
         raise NotImplementedError("pipeline parallel conversion (pp > 1) is not implemented")
@@ -200,6 +200,11 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, tp: int = 
     if in_job:
         dist.barrier()
         _convert_rank(rank, dist.get_world_size(), str(hf_dir), str(out_dir), tp, pp, seed)
+    elif tp * pp == 1:  # in this process, in a private world-size-1 group
+        try:
+            _convert_rank(0, 1, str(hf_dir), str(out_dir), tp, pp, seed)
+        finally:
+            shutdown_parallel(True)
     else:
         from miles_core.training.megatron.launch import run_spawned
 
@@ -230,22 +235,28 @@ def export_torch_dist_to_hf(ckpt_dir: str | Path, hf_dir_template: str | Path | 
     from transformers import AutoConfig
 
     from miles_core.training.megatron import mapping
-    from miles_core.training.megatron.model import build_gpt_model, init_parallel, model_shape
+    from miles_core.training.megatron.model import build_gpt_model, init_parallel, model_shape, shutdown_parallel
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if (ckpt_dir / MANIFEST).is_file():
         verify_manifest(ckpt_dir)
     template = Path(hf_dir_template) if hf_dir_template is not None else ckpt_dir / HF_META
-    created = init_parallel(1)
+    hf_config = AutoConfig.from_pretrained(template)
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    from megatron.core import parallel_state
+
+    reuse = (torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()
+             and parallel_state.get_tensor_model_parallel_world_size() == 1)
+    created = False if reuse else init_parallel(1)
     try:
-        hf_config = AutoConfig.from_pretrained(template)
-        model = build_gpt_model(hf_config, 1)
+        model = build_gpt_model(hf_config, 1, dtype=dtype)
         load_model_checkpoint(model, ckpt_dir / torch_dist_subdir)
         state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
         hf_state = mapping.megatron_to_hf(state, model_shape(hf_config, 1))
     finally:
-        if created:
-            torch.distributed.destroy_process_group()
+        if not reuse:
+            shutdown_parallel(created)
     copy_hf_meta(template, out_dir)
     save_file(hf_state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir

@@ -11,7 +11,7 @@ generator states (``tensor_parallel.random``: ``CudaRNGStatesTracker``,
 
 * inside ``megatron.core.*`` modules only, the global name ``torch`` is replaced by a proxy
   whose ``torch.cuda`` answers ``current_device() -> "cpu"``, ``synchronize()`` /
-  ``empty_cache()`` as no-ops, and ``manual_seed`` / ``get_rng_state`` / ``set_rng_state``
+  ``empty_cache()`` / ``manual_seed()`` as no-ops, and ``get_rng_state`` / ``set_rng_state``
   on the CPU generator; every other attribute is the real ``torch`` / ``torch.cuda``
   (``torch.cuda.is_available()`` still says False). Nothing outside megatron is touched.
 * the RNG tracker becomes :class:`CpuRNGStatesTracker`, which keeps its named streams
@@ -62,7 +62,9 @@ class _CudaOnCpu(types.SimpleNamespace):
 
     @staticmethod
     def manual_seed(seed: int) -> None:
-        torch.manual_seed(seed)
+        # On GPU this seeds the CUDA generator only; the CPU generator is the caller's business
+        # (the trainer seeds it), so seeding "CUDA" on a CPU machine touches nothing.
+        return None
 
     @staticmethod
     def get_rng_state(device=None) -> torch.Tensor:
@@ -145,12 +147,28 @@ def _patch_loaded_modules() -> int:
     return patched
 
 
+_TE_SYMBOLS = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+               "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+               "fused_topk_with_score_function", "fused_unpermute", "te_general_gemm")
+
+
+def define_missing_te_symbols() -> None:
+    """megatron-core 0.16.1 without TransformerEngine: `moe_utils` tests `te_general_gemm is not
+    None` (router gating) but only binds the name when TE imports, so the MoE router raises
+    NameError. Bind the missing TE names to None (any device; harmless when TE is present)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in _TE_SYMBOLS:
+        moe_utils.__dict__.setdefault(name, None)
+
+
 def enable_cpu_mode() -> bool:
     """Redirect megatron-core's CUDA calls to the CPU (no-op when CUDA is available).
 
     Returns True when CPU mode is active. Safe to call any number of times.
     """
     global _ENABLED
+    define_missing_te_symbols()
     if torch.cuda.is_available():
         return False
     for name in _MODULES:

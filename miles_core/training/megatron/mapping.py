@@ -86,6 +86,10 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], s: ModelShape) -> dict[str, torc
                 attn.setdefault(layer, {})[rest[len("self_attn."):]] = tensor
             elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
                 mlp.setdefault((prefix + "mlp.linear_fc1.weight",), {})[rest.split(".")[1]] = tensor
+            elif rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # transformers 5 fused
+                kind = "linear_fc1" if rest.endswith("gate_up_proj") else "linear_fc2"
+                for expert in range(tensor.shape[0]):
+                    out[f"{prefix}mlp.experts.local_experts.{expert}.{kind}.weight"] = tensor[expert]
             elif (e := _EXPERT.match(rest)) is not None:
                 expert, proj = e.group(1), e.group(2)
                 target = f"{prefix}mlp.experts.local_experts.{expert}."
@@ -111,8 +115,13 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], s: ModelShape) -> dict[str, torc
     return out
 
 
-def megatron_to_hf(mg: dict[str, torch.Tensor], s: ModelShape) -> dict[str, torch.Tensor]:
-    """HF tensors from full Megatron ones (vocab un-padded, qkv and fc1 split; no lm_head when tied)."""
+def megatron_to_hf(mg: dict[str, torch.Tensor], s: ModelShape, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+    """HF tensors from full Megatron ones (vocab un-padded, qkv and fc1 split; no lm_head when tied).
+
+    MoE experts come out per expert (`mlp.experts.{e}.gate_proj.weight`, the checkpoint/SGLang
+    layout) or, with fused_experts, as transformers 5 module tensors
+    (`mlp.experts.gate_up_proj` [E, 2F, H], `mlp.experts.down_proj` [E, H, F]).
+    """
     inverse = {v: k for k, v in _SIMPLE.items()}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in mg.items():
@@ -147,7 +156,24 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], s: ModelShape) -> dict[str, torc
                 raise KeyError(f"no HF mapping for Megatron tensor {name}")
         else:
             raise KeyError(f"no HF mapping for Megatron tensor {name}")
+    if fused_experts:
+        out = _fuse_experts(out)
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _fuse_experts(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    pattern = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    out, experts = {}, {}
+    for name, tensor in hf.items():
+        if (m := pattern.match(name)) is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = tensor
+    for prefix, by_index in experts.items():
+        order = [by_index[i] for i in sorted(by_index)]
+        out[prefix + ".gate_up_proj"] = torch.stack([torch.cat([e["gate_proj"], e["up_proj"]]) for e in order])
+        out[prefix + ".down_proj"] = torch.stack([e["down_proj"] for e in order])
+    return out
 
 
 # ---- tensor parallel ----------------------------------------------------------------------------
@@ -188,9 +214,25 @@ def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(shards, dim=0 if kind == "column" else 1)
 
 
-def hf_to_megatron_rank(hf: dict[str, torch.Tensor], s: ModelShape, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """This TP rank's Megatron state dict (s must be the shape at this tp: padded vocab)."""
-    return {name: shard(name, t, tp, rank).clone() for name, t in hf_to_megatron(hf, s).items()}
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def hf_to_megatron_rank(hf: dict[str, torch.Tensor], s: ModelShape, tp: int, rank: int, ep: int = 1,
+                        ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """This TP (and EP) rank's Megatron state dict (s must be the shape at this tp: padded vocab).
+
+    With ep > 1 this rank keeps experts [ep_rank * E/ep, (ep_rank + 1) * E/ep), renumbered from 0.
+    """
+    out = {}
+    for name, tensor in hf_to_megatron(hf, s).items():
+        if ep > 1 and (m := _LOCAL_EXPERT.match(name)) is not None:
+            per_rank = s.num_experts // ep
+            index = int(m.group(2)) - ep_rank * per_rank
+            if not 0 <= index < per_rank:
+                continue
+            name = f"{m.group(1)}{index}{m.group(3)}"
+        out[name] = shard(name, tensor, tp, rank).clone()
+    return out
 
 
 def megatron_ranks_to_hf(rank_dicts: list[dict[str, torch.Tensor]], s: ModelShape) -> dict[str, torch.Tensor]:

@@ -189,6 +189,16 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> bool:
     return created
 
 
+def shutdown_parallel(destroy_default_group: bool) -> None:
+    """Undo init_parallel: megatron's groups, and the default group when we created it."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if destroy_default_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # ---- the model ---------------------------------------------------------------------------------
 def transformer_config(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,
                        recompute: bool = False):
@@ -218,7 +228,8 @@ def transformer_config(hf_config, tp: int = 1, dtype: torch.dtype = torch.float3
             moe_router_topk=hf_config.num_experts_per_tok, moe_router_score_function="softmax",
             # top-k on logits then softmax over the k == softmax, top-k, renormalise (norm_topk_prob)
             moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", True),
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall" if (ep > 1 and not on_cpu) else "allgather",
             moe_grouped_gemm=False, moe_router_dtype="fp32")
     return TransformerConfig(**kwargs)
 
@@ -233,8 +244,11 @@ def layer_spec(config):
 
 
 def build_gpt_model(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,
-                    vocab_divisor: int = DEFAULT_VOCAB_DIVISOR, recompute: bool = False):
-    """A GPTModel for this rank (model-parallel groups must be initialised: see init_parallel)."""
+                    vocab_divisor: int = DEFAULT_VOCAB_DIVISOR, recompute: bool = False, post_process: bool = True):
+    """A GPTModel for this rank (model-parallel groups must be initialised: see init_parallel).
+
+    post_process=False gives the trunk only (no final norm, no output layer; returns hidden
+    states [s, b, h]), used for the critic."""
     from megatron.core.models.gpt import GPTModel
 
     from miles_core.training.megatron.cpu_compat import enable_cpu_mode
@@ -245,7 +259,8 @@ def build_gpt_model(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, 
     theta, scaling = _rope(hf_config)
     model = GPTModel(config=config, transformer_layer_spec=layer_spec(config), vocab_size=shape.padded_vocab,
                      max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
-                     share_embeddings_and_output_weights=shape.tied, position_embedding_type="rope",
+                     post_process=post_process, share_embeddings_and_output_weights=shape.tied and post_process,
+                     position_embedding_type="rope",
                      rotary_base=theta, rotary_percent=1.0, parallel_output=True, **scaling)
     if torch.cuda.is_available():
         model = model.cuda()

@@ -1,0 +1,424 @@
+"""The Megatron-LM training backend: the FSDPTrainer interface on a megatron-core GPTModel.
+
+SPMD: with tp * dp > 1 every rank constructs the trainer with the same arguments and every
+method is called on every rank (each returns the same result). Micro-batches are dealt to
+data-parallel ranks round-robin; gradients are summed over the data-parallel group.
+
+Optimizer: plain ``torch.optim.AdamW`` over this rank's (TP-sharded) parameters, on CPU and
+GPU alike (megatron's DistributedOptimizer needs its DDP grad buffers; not used here). Its
+moments are checkpointed as torch_dist with the parameters' sharding (see state.py), so a
+checkpoint saved at one TP size resumes at another.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoTokenizer
+
+from miles_core import algorithms as algo
+from miles_core import objectives
+from miles_core.config import AlgorithmConfig, TrainingConfig
+from miles_core.data import Sample
+from miles_core.training import state_io
+from miles_core.training.fsdp import pad_batch
+from miles_core.training.megatron import mapping, state
+from miles_core.training.megatron.convert import TORCH_DIST, load_hf_weights, load_model_checkpoint, \
+    verify_manifest
+from miles_core.training.megatron.logprobs import clip_grad_norm, token_logprobs
+from miles_core.training.megatron.model import build_gpt_model, causal_positions, forward_logits, init_parallel, \
+    model_shape, shutdown_parallel
+from miles_core.weights import weights_sha256
+
+
+@dataclass
+class MegatronOptions:
+    """Parallel layout; read from `training.megatron` when the config has it."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    recompute: bool = False
+    logprob_chunk_tokens: int | None = None
+
+    @classmethod
+    def from_training(cls, training: TrainingConfig) -> "MegatronOptions":
+        section = getattr(training, "megatron", None)
+        if section is None:
+            return cls()
+        fields = section.model_dump() if hasattr(section, "model_dump") else dict(section)
+        return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
+
+
+def _select(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    return {k: v[rows] for k, v in batch.items()}
+
+
+class ValueHead(torch.nn.Module):
+    """Final RMSNorm + Linear(hidden, 1) on the critic's last hidden states (TP-replicated)."""
+
+    def __init__(self, hidden: int, eps: float, std: float):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(hidden, eps=eps)
+        self.score = torch.nn.Linear(hidden, 1)
+        torch.nn.init.normal_(self.score.weight, std=std)
+        torch.nn.init.zeros_(self.score.bias)
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"value_head.{k}": v for k, v in self.state_dict(keep_vars=True).items()}
+
+
+class MegatronTrainer:
+    """Policy (+critic / reference / teacher) as megatron GPTModels; speaks HF names outside."""
+
+    def __init__(self, model_dir: str, training: TrainingConfig, algorithm: AlgorithmConfig,
+                 temperature: float = 1.0, max_new_tokens: int = 8, seed: int = 0, group_size: int = 1,
+                 teacher_dir: str | None = None, megatron_ckpt: str | None = None,
+                 megatron: MegatronOptions | dict | None = None):
+        """megatron_ckpt: a converted torch_dist directory to start from (else HF weights of
+        model_dir); megatron: parallel options overriding `training.megatron`."""
+        torch.set_num_threads(training.num_threads)
+        torch.manual_seed(seed)
+        if isinstance(megatron, dict):
+            megatron = MegatronOptions(**megatron)
+        self.opts = megatron or MegatronOptions.from_training(training)
+        if self.opts.pp != 1:
+            raise NotImplementedError("MegatronTrainer runs pipeline size 1 only (training.megatron.pp=1)")
+        self.owns_process_group = init_parallel(self.opts.tp, self.opts.pp, self.opts.ep, seed)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.tp, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.training, self.algorithm, self.group_size = training, algorithm, group_size
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.model_dir = model_dir
+        self.hf_config = AutoConfig.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.shape = model_shape(self.hf_config, self.tp)
+        self.tied = self.shape.tied
+        # fp32 parameters and Adam state (as FSDPTrainer); bf16 autocast for the matmuls on GPU
+        self.dtype = torch.float32
+        hf_weights = None if megatron_ckpt else load_hf_weights(model_dir)
+        self.model = self._build(self.hf_config, hf_weights, megatron_ckpt).train()
+        self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), training.lr)
+        self.critic = self.value_head = self.critic_optimizer = self.critic_scheduler = None
+        if algorithm.uses_critic:
+            self._build_critic(hf_weights, megatron_ckpt, seed)
+        self.reference = self._frozen(model_dir, hf_weights, megatron_ckpt) \
+            if objectives.needs_reference(algorithm) else None
+        if algorithm.effective_opd_coef > 0 and teacher_dir is None:
+            raise ValueError("a teacher model directory is required for distillation")
+        self.teacher = self._frozen(teacher_dir) if algorithm.effective_opd_coef > 0 else None
+        self.step = 0
+
+    # ---- construction -------------------------------------------------------------------------
+    def _build(self, hf_config, hf_weights, megatron_ckpt: str | None, post_process: bool = True):
+        # post_process=False: the critic trunk (its final norm and head are the ValueHead)
+        model = build_gpt_model(hf_config, self.tp, self.dtype, self.opts.ep, recompute=self.opts.recompute,
+                                post_process=post_process)
+        if megatron_ckpt is not None:
+            verify_manifest(megatron_ckpt)
+            load_model_checkpoint(model, Path(megatron_ckpt) / TORCH_DIST)
+        else:
+            shape = model_shape(hf_config, self.tp)
+            weights = mapping.hf_to_megatron_rank(hf_weights, shape, self.tp, self.tp_rank, self.opts.ep,
+                                                  self.ps.get_expert_model_parallel_rank())
+            own = model.state_dict()
+            weights = {k: v for k, v in weights.items() if k in own}
+            missing, unexpected = model.load_state_dict(weights, strict=False)
+            missing = [k for k in missing if not k.endswith("_extra_state")]
+            if missing or unexpected:
+                raise RuntimeError(f"weights do not fit the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+        return model
+
+    def _build_critic(self, hf_weights, megatron_ckpt, seed: int) -> None:
+        self.critic = self._build(self.hf_config, hf_weights, megatron_ckpt, post_process=False).train()
+        torch.manual_seed(seed + 1)  # same on every TP rank: the head is replicated
+        self.value_head = ValueHead(self.shape.hidden_size, self.hf_config.rms_norm_eps,
+                                    getattr(self.hf_config, "initializer_range", 0.02))
+        weights = hf_weights if hf_weights is not None else {}
+        if "model.norm.weight" in weights:
+            self.value_head.norm.weight.data.copy_(weights["model.norm.weight"])
+        self.value_head.to(next(self.critic.parameters()).device, self.dtype)
+        params = list(self.critic.parameters()) + list(self.value_head.parameters())
+        self.critic_optimizer, self.critic_scheduler = self._optimizer(params, self.algorithm.critic_lr)
+
+    def _frozen(self, model_dir: str, hf_weights=None, megatron_ckpt: str | None = None):
+        hf_config = self.hf_config if model_dir == self.model_dir else AutoConfig.from_pretrained(model_dir)
+        if hf_weights is None and megatron_ckpt is None:
+            hf_weights = load_hf_weights(model_dir)
+        return self._build(hf_config, hf_weights, megatron_ckpt).eval().requires_grad_(False)
+
+    def _optimizer(self, params, lr: float):
+        t = self.training
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+        warmup = t.lr_warmup_steps
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        return optimizer, schedule
+
+    def close(self) -> None:
+        shutdown_parallel(self.owns_process_group)
+
+    # ---- forward pieces -------------------------------------------------------------------------
+    def _device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        device = next(self.model.parameters()).device
+        return {k: v.to(device) for k, v in batch.items()}
+
+    def _token_logprobs(self, model, mb: dict[str, torch.Tensor], with_entropy: bool = False, vocab_size=None):
+        tokens = mb["tokens"]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
+            logits = forward_logits(model, tokens)[:, :-1]
+        return token_logprobs(logits, tokens[:, 1:], self.temperature, vocab_size or self.shape.vocab_size,
+                              with_entropy, self.opts.logprob_chunk_tokens)
+
+    def _values(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        tokens = mb["tokens"]
+        hidden = self.critic(input_ids=tokens, position_ids=causal_positions(tokens), attention_mask=None)
+        values = self.value_head.score(self.value_head.norm(hidden)).squeeze(-1).transpose(0, 1)  # [b, s]
+        return values[:, :-1].float()
+
+    def _row_slices(self, num_rows: int) -> list[slice]:
+        size = self.training.micro_batch_size
+        return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
+
+    def _my_slices(self, num_rows: int) -> list[slice]:
+        return [s for i, s in enumerate(self._row_slices(num_rows)) if i % self.dp == self.dp_rank]
+
+    def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dp > 1:
+            dist.all_reduce(tensor, group=self.ps.get_data_parallel_group())
+        return tensor
+
+    @torch.no_grad()
+    def _score(self, batch: dict[str, torch.Tensor]) -> None:
+        """Old-policy, reference, teacher log-probs and old values for every row (DP-shared)."""
+        scorers = {"old_logp": lambda mb: self._token_logprobs(self.model, mb)[0]}
+        if self.reference is not None:
+            scorers["ref_logp"] = lambda mb: self._token_logprobs(self.reference, mb)[0]
+        if self.teacher is not None:
+            scorers["teacher_logp"] = lambda mb: self._token_logprobs(self.teacher, mb)[0]
+        if self.critic is not None:
+            scorers["old_values"] = self._values
+        num_rows = len(batch["tokens"])
+        for key, scorer in scorers.items():
+            out = torch.zeros_like(batch["mask"])
+            for rows in self._my_slices(num_rows):
+                out[rows] = scorer(_select(batch, rows)).to(out.dtype)
+            batch[key] = self._dp_sum(out)
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Trainer log-probs of each sample's response tokens (for mismatch checks)."""
+        batch = self._device(pad_batch(samples, self.tokenizer.pad_token_id))
+        self._score(batch)
+        return [batch["old_logp"][row][batch["mask"][row] > 0].tolist() for row in range(len(samples))]
+
+    # ---- one RL step ----------------------------------------------------------------------------
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """Score, compute advantages over the whole batch, then policy/critic update(s)."""
+        cfg = self.algorithm
+        batch = self._device(pad_batch(samples, self.tokenizer.pad_token_id))
+        self._score(batch)
+        objectives.compute_advantages(cfg, batch, self.group_size)
+        weights = objectives.importance_weights(cfg, batch)
+        batch["is_weights"] = weights if weights is not None else torch.ones_like(batch["mask"])
+        mask = batch["mask"]
+        metrics = {k: float(v) for k, v in algo.mismatch_metrics(batch["old_logp"], batch["rollout_logp"], mask).items()}
+        metrics["rollout/train_logprob_abs_diff"] = metrics["mismatch/logprob_abs_diff"]
+        metrics["train/advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
+        if self.teacher is not None:
+            metrics["opd/reverse_kl"] = float(((batch["old_logp"] - batch["teacher_logp"]) * mask).sum() / mask.sum())
+        chunk = -(-len(samples) // self.training.num_updates_per_step)
+        for start in range(0, len(samples), chunk):
+            metrics |= self._update(_select(batch, slice(start, start + chunk)))
+        self.step += 1
+        if cfg.ref_refresh_interval_steps and self.reference is not None and self.step % cfg.ref_refresh_interval_steps == 0:
+            self.reference.load_state_dict(self.model.state_dict())
+        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _sync_and_clip(self, *modules: torch.nn.Module) -> torch.Tensor:
+        """Sum gradients over DP; over TP for the q/k norms (each TP rank only sees its own
+        heads, as megatron's finalize_model_grads does); then clip the global norm."""
+        named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
+        for name, p in named:
+            if p.grad is None:  # unused here (e.g. an expert no token chose); DP peers may disagree
+                if self.dp == 1:
+                    continue
+                p.grad = torch.zeros_like(p)
+            if self.dp > 1:
+                dist.all_reduce(p.grad, group=self.ps.get_data_parallel_group())
+            if self.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(p.grad, group=self.ps.get_tensor_model_parallel_group())
+        return clip_grad_norm([p for _, p in named], self.training.grad_clip)
+
+    def _update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        train_policy = self.step >= self.algorithm.critic_warmup_steps
+        totals = {"num_tokens": float(batch["mask"].sum()), "num_seqs": float(len(batch["tokens"]))}
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for rows in self._my_slices(len(batch["tokens"])):
+            mb = _select(batch, rows)
+            loss, parts = self._loss(mb, totals) if train_policy else (torch.zeros(()), {})
+            if self.critic is not None:
+                value_loss = algo.value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["mask"],
+                                             self.algorithm.value_clip) * (len(mb["tokens"]) / totals["num_seqs"])
+                loss = loss + value_loss
+                parts["train/value_loss"] = float(value_loss.detach())
+            if loss.requires_grad:
+                loss.backward()
+            for key, value in parts.items():
+                sums[key] = sums.get(key, 0.0) + value
+        sums = self._reduce_metrics(sums)
+        if train_policy:
+            sums["train/grad_norm"] = float(self._sync_and_clip(self.model))
+            self.optimizer.step()
+        self.scheduler.step()
+        if self.critic is not None:
+            self._sync_and_clip(self.critic, self.value_head)
+            self.critic_optimizer.step()
+            self.critic_scheduler.step()
+        sums.setdefault("train/loss", sums.get("train/value_loss", 0.0))
+        return sums
+
+    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        if self.dp == 1:
+            return sums
+        names: list[list[str]] = [[] for _ in range(self.dp)]
+        dist.all_gather_object(names, sorted(sums), group=self.ps.get_data_parallel_group())
+        keys = sorted(set().union(*names))
+        values = self._dp_sum(torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64))
+        return {k: float(v) for k, v in zip(keys, values)}
+
+    def _loss(self, mb: dict[str, torch.Tensor], totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
+        cfg, mask = self.algorithm, mb["mask"]
+        logp, entropy = self._token_logprobs(self.model, mb, with_entropy=cfg.entropy_coef > 0)
+        token_loss, clipped, _ = objectives.policy_token_loss(cfg, logp, mb)
+
+        def agg(values: torch.Tensor) -> torch.Tensor:  # this micro-batch's share of the batch aggregate
+            return algo.aggregate(values, mask, cfg.loss_aggregation, self.max_new_tokens,
+                                  num_tokens=totals["num_tokens"], num_seqs=totals["num_seqs"])
+
+        loss = agg(token_loss * mb["is_weights"])
+        parts = {"train/pg_loss": float(loss.detach()), "train/clip_frac": float(agg(clipped)),
+                 "train/ppo_kl": float(agg(mb["old_logp"] - logp.detach()))}
+        if entropy is not None:
+            ent = agg(entropy)
+            loss = loss - cfg.entropy_coef * ent
+            parts["train/entropy"] = float(ent.detach())
+        if cfg.kl_loss_coef > 0:
+            kl = agg(algo.kl_estimate(logp, mb["ref_logp"], cfg.kl_estimator))
+            loss = loss + cfg.kl_loss_coef * kl
+            parts["train/kl_loss"] = float(kl.detach())
+        parts["train/loss"] = float(loss.detach())
+        return loss, parts
+
+    def sft_step(self, samples: list[Sample]) -> float:
+        """One supervised step: agg(-log p) over the trainable response tokens."""
+        batch = self._device(pad_batch(samples, self.tokenizer.pad_token_id))
+        num_tokens = float(batch["mask"].sum())
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float64)
+        for rows in self._my_slices(len(samples)):
+            mb = _select(batch, rows)
+            loss = algo.sft_loss(self._token_logprobs(self.model, mb)[0], mb["mask"], num_tokens=num_tokens)
+            loss.backward()
+            total += float(loss.detach())
+        self._sync_and_clip(self.model)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return float(self._dp_sum(total))
+
+    # ---- weights out ----------------------------------------------------------------------------
+    def _full_megatron(self, model) -> dict[str, torch.Tensor]:
+        local = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        if self.tp == 1:
+            return {k: v.cpu() for k, v in local.items()}
+        group = self.ps.get_tensor_model_parallel_group()
+        full = {}
+        for name, tensor in local.items():
+            if mapping.parallel_kind(name) == "replicated":
+                full[name] = tensor.cpu()
+                continue
+            parts = [torch.empty_like(tensor) for _ in range(self.tp)]
+            dist.all_gather(parts, tensor.contiguous(), group=group)
+            full[name] = mapping.unshard(name, [p.cpu() for p in parts])
+        return full
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights under Hugging Face names, on CPU (tied lm_head dropped). Collective.
+
+        MoE experts come fused as in transformers 5 modules (what the engines load)."""
+        if self.opts.ep > 1:
+            raise NotImplementedError("hf_state_dict with expert parallelism (ep > 1) is not implemented")
+        shape = model_shape(self.hf_config, self.tp)
+        return mapping.megatron_to_hf(self._full_megatron(self.model), shape,
+                                      fused_experts=shape.family == "qwen3_moe")
+
+    def weights_sha256(self) -> str:
+        return weights_sha256(self.hf_state_dict())
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        """Save a standalone HF directory (config, safetensors weights, tokenizer). Collective."""
+        out_dir = Path(out_dir)
+        weights = self.hf_state_dict()
+        if dist.get_rank() == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.hf_config.save_pretrained(out_dir)
+            self.tokenizer.save_pretrained(out_dir)
+            source_gen = Path(self.model_dir) / "generation_config.json"
+            if source_gen.is_file():
+                (out_dir / "generation_config.json").write_text(source_gen.read_text())
+            save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        dist.barrier()
+        return out_dir
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def _modules(self):
+        yield "policy", self.model, self.optimizer, self.scheduler, None
+        if self.critic is not None:
+            yield "critic", self.critic, self.critic_optimizer, self.critic_scheduler, self.value_head.named_tensors()
+
+    def save_state(self, out_dir: str | Path, extra: dict[str, Any]) -> None:
+        """Policy (+critic) weights and optimizers as torch_dist, schedulers/RNG/extra as JSON."""
+        out_dir = Path(out_dir)
+        meta: dict[str, Any] = {"modules": {}, "layout": {"tp": self.tp, "dp": self.dp}}
+        for name, model, optimizer, scheduler, tensors in self._modules():
+            sub = TORCH_DIST if name == "policy" else f"{name}_{TORCH_DIST}"
+            meta["modules"][name] = {**state.save(out_dir / sub, model, optimizer, tensors),
+                                     "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}}
+        if self.reference is not None and self.algorithm.ref_refresh_interval_steps:
+            state.save(out_dir / f"reference_{TORCH_DIST}", self.reference, None)
+        if dist.get_rank() == 0:
+            rng_tensors, meta["python_rng"] = state_io.rng_state()
+            save_file(rng_tensors, str(out_dir / "rng.safetensors"))
+            meta["trainer_step"] = self.step
+            (out_dir / "trainer_state.json").write_text(json.dumps({**meta, **extra}, indent=1))
+        dist.barrier()
+
+    def load_state(self, ckpt_dir: str | Path) -> dict[str, Any]:
+        """Restore everything save_state wrote (at any TP size); returns the `extra` dict."""
+        ckpt_dir = Path(ckpt_dir)
+        meta = json.loads((ckpt_dir / "trainer_state.json").read_text())
+        modules = meta.pop("modules")
+        meta.pop("layout", None)
+        for name, model, optimizer, scheduler, tensors in self._modules():
+            sub = TORCH_DIST if name == "policy" else f"{name}_{TORCH_DIST}"
+            state.load(ckpt_dir / sub, model, optimizer, modules[name], tensors)
+            scheduler.load_state_dict({**modules[name]["scheduler"], "lr_lambdas": [None]})
+        if (ckpt_dir / f"reference_{TORCH_DIST}").is_dir() and self.reference is not None:
+            state.load(ckpt_dir / f"reference_{TORCH_DIST}", self.reference, None, None)
+        state_io.set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), meta.pop("python_rng"))
+        self.step = int(meta.pop("trainer_step"))
+        return meta
+
