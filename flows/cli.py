@@ -24,7 +24,10 @@ console = Console()
 def _register_stack() -> None:
     from infra.stack import stack_app
 
+    from infra.k8s import k8s_app
+
     app.add_typer(stack_app, name="stack", help="Local service stack: Prefect server + worker, MLflow, S3, Ray head.")
+    app.add_typer(k8s_app, name="k8s", help="Render Kubernetes manifests (Prefect work pool, KubeRay RayJob).")
 
 
 _register_stack()
