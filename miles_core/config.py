@@ -133,6 +133,9 @@ class RolloutConfig(Section):
     """Engine HTTP servers bind to 127.0.0.1 (one-machine clusters) or the Ray node's IP."""
     request_timeout_seconds: float = Field(300.0, gt=0)
     """An engine that does not answer a generate request within this is treated as hung."""
+    health_timeout_seconds: float = Field(30.0, gt=0)
+    """An engine whose /health_generate does not answer within this (checked after every step)
+    is killed and restarted."""
     loop: Literal["sync", "one_step_off", "fully_async"] = "sync"
     """Rollout schedule: sync (generate, then train), one_step_off (generate step k+1 while
     step k trains), fully_async (a persistent producer with a bounded buffer)."""

@@ -24,6 +24,7 @@ from miles_core import checkpoint as ckpt
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, Sample, sft_samples
 from miles_core.rollout.manager import RolloutManager
+from miles_core.rollout.router import NoHealthyEngine
 from miles_core.schedules import SCHEDULES, RolloutBatch, timed
 from miles_core.weights import WeightTransport
 
@@ -84,14 +85,24 @@ def save(cfg: RunConfig, trainer: Any, run_dir: Path, state: LoopState, cursor: 
     return path
 
 
-def make_producer(cfg: RunConfig, manager: RolloutManager, source: PromptSource, tokenizer: Any):
-    """(step, engine version) -> RolloutBatch: RL rollouts, or dataset labels for SFT."""
+def make_producer(cfg: RunConfig, manager: RolloutManager, source: PromptSource, tokenizer: Any,
+                  recover: Callable[[int], None]):
+    """(step, engine version) -> RolloutBatch: RL rollouts, or dataset labels for SFT.
+    When every engine is down, `recover` restarts them at the batch's weight version and the
+    batch is generated again from the same prompts."""
 
     def produce(step: int, version: int) -> RolloutBatch:
         if cfg.algorithm.name == "sft":
             samples = sft_samples(source.next_batch(cfg.rollout.num_prompts_per_step), tokenizer)
             return RolloutBatch(samples, {}, version, source.state_dict())
-        samples, sampling = collect_rollouts(cfg, manager, source, seed=cfg.seed * 100_003 + step * 97)
+        cursor = source.state_dict()
+        try:
+            samples, sampling = collect_rollouts(cfg, manager, source, seed=cfg.seed * 100_003 + step * 97)
+        except NoHealthyEngine:
+            log.warning("no healthy engine during the rollout of step %d; restarting engines", step + 1)
+            recover(version)
+            source.load_state_dict(cursor)
+            samples, sampling = collect_rollouts(cfg, manager, source, seed=cfg.seed * 100_003 + step * 97)
         versions = {s.weight_version for s in samples}
         if versions != {str(version)}:  # weights changed mid-generation: a correctness bug, never retried
             raise RuntimeError(f"batch for step {step} mixes weight versions {versions}, expected {version}")
@@ -116,7 +127,12 @@ def run_loop(cfg: RunConfig, trainer: Any, engines: Any, transport: WeightTransp
              on_metrics: MetricsFn, on_checkpoint: Callable[[int], None],
              on_step: Callable[[LoopState], None] = lambda s: None) -> LoopState:
     manager = RolloutManager(engines, cfg.rollout, cfg.rollout.reward)
-    schedule = SCHEDULES[cfg.rollout.loop](make_producer(cfg, manager, source, tokenizer), cfg)
+
+    def recover(version: int) -> None:
+        engines.heal()
+        transport.push(trainer, engines.targets(), version)
+
+    schedule = SCHEDULES[cfg.rollout.loop](make_producer(cfg, manager, source, tokenizer, recover), cfg)
     try:
         while state.step < cfg.training.num_steps:
             started = time.perf_counter()

@@ -7,7 +7,7 @@ INFRA_ERROR_NAMES = {
     "RayActorError", "ActorDiedError", "ActorUnavailableError", "NodeDiedError", "ObjectLostError",
     "OwnerDiedError", "WorkerCrashedError", "RaySystemError", "GetTimeoutError",
     "ConnectionError", "TimeoutError", "ConnectTimeoutError", "ReadTimeoutError", "EndpointConnectionError",
-    "UploadVerificationError", "ServerDisconnectedError", "ClientOSError",
+    "UploadVerificationError", "ServerDisconnectedError", "EngineError", "NoHealthyEngine", "ClientOSError",
 }
 
 

@@ -70,7 +70,8 @@ class EngineGroup:
         self.actors = [self._start(rank) for rank in range(cfg.rollout.num_engines)]
         self.urls = ray.get([a.url.remote() for a in self.actors])
         client_kwargs = {"timeout_seconds": cfg.rollout.request_timeout_seconds}
-        self.router = Router([SGLangClient(u, **client_kwargs) for u in self.urls])
+        self.router = Router([SGLangClient(u, **client_kwargs) for u in self.urls],
+                             health_timeout=cfg.rollout.health_timeout_seconds)
         self.restarts = 0
 
     def _start(self, rank: int):
@@ -105,9 +106,12 @@ class EngineGroup:
             self.router.slots[rank].client = SGLangClient(self.urls[rank],
                                                           timeout_seconds=self.cfg.rollout.request_timeout_seconds)
             self.restarts += 1
+        if replaced:
+            self.wait_all_healthy()
+            self.router.check_health()  # re-admits the new engines
         return replaced
 
-    def wait_all_healthy(self, timeout_seconds: float = 60.0) -> None:
+    def wait_all_healthy(self, timeout_seconds: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_seconds
         while self.dead_ranks():
             if time.monotonic() > deadline:
