@@ -33,7 +33,7 @@ def _register_stack() -> None:
 _register_stack()
 
 STAGES = ["prepare-model", "prepare-data", "ensure-ray", "sft-warmup", "convert-checkpoint",
-          "evaluate (before)", "train", "upload-artifacts", "evaluate (after)", "register-model"]
+          "evaluate (before)", "train", "upload-artifacts", "evaluate (after)", "register-model", "promote (eval gate)"]
 
 
 def local_environment(work_dir: str) -> None:
@@ -132,7 +132,10 @@ def print_summary(summary: dict) -> None:
     table.add_row("checkpoint", summary["checkpoint_uri"])
     table.add_row("HF export", summary["hf_export_uri"])
     table.add_row("MLflow", f"{summary['mlflow']['tracking_uri']} (run {summary['mlflow']['run_id']})")
-    table.add_row("registry", f"models:/{summary['mlflow']['model_name']}/{summary['model_version']} (@candidate)")
+    promotion = summary.get("promotion", {})
+    alias = "@champion" if promotion.get("promoted") else "@candidate"
+    table.add_row("registry", f"models:/{summary['mlflow']['model_name']}/{summary['model_version']} ({alias}; "
+                              f"{promotion.get('reason', 'no gate')})")
     table.add_row("stage seconds", json.dumps(summary["timings"]))
     console.print(table)
 

@@ -10,11 +10,12 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.runtime import deployment, flow_run
 
-from miles_core import tracking
+from miles_core import reports, tracking
 from miles_core.config import RunConfig, load_config
 from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, sft_warmup
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate
+from tasks.promote import PromotionRolledBack, promote
 from tasks.publish import register_model, upload_artifacts
 from tasks.train import train
 
@@ -44,6 +45,19 @@ def _cached_dir(task, **kwargs) -> dict:
     return result
 
 
+def _promote(cfg: RunConfig, uri: str, version: str) -> dict:
+    """The eval gate after registration. A rolled-back promotion leaves the old champion in
+    place and is recorded, not raised: the trained, registered model must not be lost."""
+    t = cfg.tracking
+    if not t.promote:
+        return {"promoted": False, "reason": "tracking.promote is false", "version": version}
+    try:
+        return promote(uri, t.registered_model_name, version, t.promote_min_score, t.promote_min_improvement)
+    except PromotionRolledBack as exc:
+        get_run_logger().error("%s", exc)
+        return {"promoted": False, "reason": "rolled back", "error": str(exc), "version": version}
+
+
 @flow(name="rl-posttrain", log_prints=True)
 def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] | None = None,
                  resume_from: str | None = None, run_dir: str | None = None) -> dict:
@@ -70,7 +84,8 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
         converted = convert_checkpoint(config=config, model=policy)
     with timer("eval_before"):
         before = evaluate(config, policy["model_dir"], data["eval_path"], "before")
-    tracking.log_eval(uri, mlflow_run, "before", before, step=0)
+    tracking.log_eval(uri, mlflow_run, "before", before["heldout"], step=0)
+    reports.log_eval_metrics(uri, mlflow_run, "before", before, step=0)
     spec = {"config": config, "model_dir": converted["model_dir"], "train_path": data["train_path"],
             "run_dir": str(run_path)}
     with timer("train"):
@@ -79,19 +94,27 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
         uploaded = upload_artifacts(store_uri(cfg), run_key, result["final_checkpoint_dir"], result["hf_export_dir"])
     with timer("eval_after"):
         after = evaluate(config, result["hf_export_dir"], data["eval_path"], "after")
-    tracking.log_eval(uri, mlflow_run, "after", after, step=result["steps"])
+    tracking.log_eval(uri, mlflow_run, "after", after["heldout"], step=result["steps"])
+    reports.log_eval_metrics(uri, mlflow_run, "after", after, step=result["steps"])
+    reward_curve = [round(h["rollout/reward_mean"], 4) for h in result["history"]]
+    reports.log_report(uri, mlflow_run, before, after, reward_curve, final_step=result["steps"])
     with timer("register"):
         version = register_model(uri, mlflow_run, cfg.tracking.registered_model_name, result["hf_export_dir"],
                                  {"run_key": run_key, "checkpoint_uri": uploaded["checkpoint_uri"],
-                                  "eval_pass_at_1": str(after["pass@1"])})
+                                  "eval_pass_at_1": str(after["heldout"]["pass@1"])})
+    with timer("promote"):
+        promotion = _promote(cfg, uri, str(version))
     summary = {
         "run_key": run_key, "status": "completed", "run_dir": str(run_path),
-        "eval": {"before": before["pass@1"], "after": after["pass@1"], "num_prompts": after["num_prompts"]},
+        "eval": {"before": before["heldout"]["pass@1"], "after": after["heldout"]["pass@1"],
+                 "num_prompts": after["heldout"].get("num_prompts")},
+        "eval_details": {"before": reports.summary_metrics(before), "after": reports.summary_metrics(after)},
+        "promotion": promotion,
         "steps": result["steps"], "resumed_from_step": result["resumed_from_step"],
         "checkpoint_uri": uploaded["checkpoint_uri"], "hf_export_uri": uploaded["hf_export_uri"],
         "hf_export_dir": result["hf_export_dir"], "model_version": version,
         "mlflow": {"tracking_uri": uri, "run_id": mlflow_run, "model_name": cfg.tracking.registered_model_name},
-        "reward_curve": [round(h["rollout/reward_mean"], 4) for h in result["history"]],
+        "reward_curve": reward_curve,
         "timings": timer.seconds,
     }
     (run_path / "summary.json").write_text(json.dumps(summary, indent=1))

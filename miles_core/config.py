@@ -310,7 +310,7 @@ class CheckpointConfig(Section):
 
 class EvalDatasetConfig(Section):
     name: str
-    """Name used in metric keys (eval/<name>/pass@k)."""
+    """Name used in metric keys (eval/<phase>/<name>/pass_at_k)."""
     path: str
     """jsonl in the DAPO layout (prompt + label), e.g. an AIME-2024-style file."""
     reward: str | None = None
@@ -324,12 +324,19 @@ class EvalDatasetConfig(Section):
     max_new_tokens: int | None = Field(None, ge=1)
     """Generation budget; None uses eval.max_new_tokens."""
 
+    @model_validator(mode="after")
+    def _greedy_is_single(self) -> "EvalDatasetConfig":
+        if self.temperature == 0 and self.num_samples_per_prompt != 1:
+            raise ValueError("greedy (temperature=0) gives one response per prompt: set num_samples_per_prompt=1 "
+                             "or temperature>0")
+        return self
+
 
 class EvalConfig(Section):
     max_new_tokens: int = Field(8, ge=1)
     """Generation budget of evaluation responses."""
     batch_size: int = Field(256, ge=1)
-    """Prompts per generation batch during evaluation."""
+    """Sequences (prompt x sample) per generation batch during evaluation."""
     pass_k: list[int] = [1]
     """k values of pass@k reported for each dataset (only those <= its num_samples_per_prompt)."""
     datasets: list[EvalDatasetConfig] = []

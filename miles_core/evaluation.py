@@ -51,9 +51,10 @@ def _generate_all(engine, prompts: list[Prompt], params: dict, num_samples: int,
     texts: list[str] = []
     for batch_no, start in enumerate(range(0, len(flat), batch_size)):
         chunk = flat[start : start + batch_size]
-        # A distinct, reproducible seed per batch: same seed -> same samples on a rerun.
-        batch_seed = None if seed is None else seed + batch_no
-        outputs = engine.generate([p.input_ids for p in chunk], params, return_logprob=False, seed=batch_seed)
+        # A distinct, reproducible seed per batch (same seed -> same samples on a rerun); no seed
+        # argument at all when unseeded, for engines whose generate() takes none.
+        seeding = {} if seed is None else {"seed": seed + batch_no}
+        outputs = engine.generate([p.input_ids for p in chunk], params, return_logprob=False, **seeding)
         texts.extend(out["text"] for out in outputs)
     return [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
@@ -160,7 +161,8 @@ def run_external_eval(command: str, model_dir: str, output_json_path: str,
         raise ExternalEvalError(f"external eval {args[0]!r} succeeded but {output_json_path} is missing or not "
                                 f"JSON ({exc}); stderr tail:\n{_tail(proc.stderr)}") from None
     if not isinstance(metrics, dict) or not isinstance(metrics.get("pass@1"), (int, float)):
-        raise ExternalEvalError(f"external eval wrote {str(metrics)[:200]!r}; expected an object with a numeric 'pass@1'")
+        raise ExternalEvalError(f"external eval wrote {str(metrics)[:200]!r}; "
+                                "expected an object with a numeric 'pass@1'")
     metrics["pass@1"] = float(metrics["pass@1"])
     metrics.setdefault("examples", [])
     return metrics

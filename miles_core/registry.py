@@ -66,7 +66,8 @@ def decide(uri: str, name: str, version: str, min_score: float, min_improvement:
     if champ_version == str(version):
         return GateDecision(False, f"v{version} is already the champion", score, champ_version, champ_score)
     if score < min_score:
-        return GateDecision(False, f"score {score:.4f} below the floor {min_score:.4f}", score, champ_version, champ_score)
+        reason = f"score {score:.4f} below the floor {min_score:.4f}"
+        return GateDecision(False, reason, score, champ_version, champ_score)
     if champ_score is not None and score < champ_score + min_improvement:
         reason = (f"score {score:.4f} does not beat champion v{champ_version} ({champ_score:.4f}) "
                   f"by {min_improvement:.4f}")
@@ -140,7 +141,8 @@ def _hf_root(path: Path) -> Path:
 
 
 def download_model(uri: str, model_uri: str, dest_dir: str | Path) -> Path:
-    """Download a registered version (`models:/name@alias` or `models:/name/version`) as an HF dir.
+    """Download a registered version (`models:/name@alias` or `models:/name/version`) as an HF dir
+    under dest_dir/<name>-v<version>/.
 
     mlflow's own `models:/` resolution looks names up in the process-global registry URI, not
     the one passed in, so the version is resolved here and its source downloaded directly.
@@ -150,9 +152,8 @@ def download_model(uri: str, model_uri: str, dest_dir: str | Path) -> Path:
 
     name, version = resolve_model_uri(uri, model_uri)
     source = client_for(uri).get_model_version_download_uri(name, version)
-    dest = Path(dest_dir)
-    if dest.exists():  # a stale partial download must not mix with this one
-        shutil.rmtree(dest)
+    dest = Path(dest_dir) / f"{name}-v{version}"
+    shutil.rmtree(dest, ignore_errors=True)  # ours alone: a stale partial download must not mix in
     dest.mkdir(parents=True)
     local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dest), tracking_uri=uri)
     return _hf_root(Path(local))

@@ -28,7 +28,17 @@ def by_dataset(results: dict[str, Any] | None) -> Results:
 
 def _metrics(result: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in result.items()
-            if k.startswith(METRIC_PREFIXES) and isinstance(v, (int, float))}
+            if k.startswith(METRIC_PREFIXES) and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _metric_order(metric: str) -> tuple:
+    kind, _, k = metric.partition("@")  # pass@2 before pass@10; unusual names (external evals) last
+    return (kind != "pass", kind, int(k) if k.isdigit() else float("inf"), metric)
+
+
+def summary_metrics(results: dict | None) -> dict[str, dict[str, Any]]:
+    """{dataset: metrics and counts} without the examples: what a run summary keeps."""
+    return {name: {k: v for k, v in r.items() if k != "examples"} for name, r in by_dataset(results).items()}
 
 
 def eval_report(before: dict | None, after: dict | None) -> dict[str, Any]:
@@ -37,7 +47,7 @@ def eval_report(before: dict | None, after: dict | None) -> dict[str, Any]:
     rows = []
     for name in sorted(set(before) | set(after), key=lambda n: (n != HELDOUT, n)):
         old, new = _metrics(before.get(name, {})), _metrics(after.get(name, {}))
-        for metric in sorted(set(old) | set(new), key=lambda m: (m[:4], int(m.split("@")[1]))):
+        for metric in sorted(set(old) | set(new), key=_metric_order):
             b, a = old.get(metric), new.get(metric)
             delta = None if a is None or b is None else a - b
             rows.append({"dataset": name, "metric": metric, "before": b, "after": a, "delta": delta})

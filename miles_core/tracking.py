@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,9 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
             flat.update(flatten(value, name + "."))
         else:
             redact = any(marker in key.lower() for marker in SECRET_MARKERS)
-            flat[name] = "<redacted>" if redact and value else str(value)[:6000]
+            # Credentials can also hide inside URLs (s3://KEY:SECRET@host/...).
+            text = re.sub(r"(://)[^/@\s]+@", r"\1<redacted>@", str(value))
+            flat[name] = "<redacted>" if redact and value else text[:6000]
     return flat
 
 
@@ -108,7 +111,7 @@ def register_model(uri: str, run_id: str, name: str, hf_export_dir: str, tags: d
     source = f"{client.get_run(run_id).info.artifact_uri}/hf_export"
     version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
     client.set_registered_model_alias(name, "candidate", version.version)
-    return version.version
+    return str(version.version)
 
 
 def finish(uri: str, run_id: str, status: str) -> None:

@@ -157,3 +157,28 @@ def test_external_eval_failures_are_explained(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"accuracy": 1}))
     with pytest.raises(ExternalEvalError, match="numeric 'pass@1'"):
         run_external_eval(_python("pass"), "m", str(tmp_path / "bad.json"), 60)
+
+
+# ---- reports (no MLflow) ------------------------------------------------------------------------
+
+def test_report_rows_markdown_and_samples():
+    from miles_core.reports import eval_report, report_markdown, sample_rollouts, summary_metrics
+
+    before = {"pass@1": 0.25, "num_prompts": 4, "examples": []}  # a bare result is the held-out set
+    after = {"heldout": {"pass@1": 0.5, "num_prompts": 4, "examples": [
+                 {"prompt": "q", "label": "1", "response": "1", "correct": True}]},
+             "aime": {"pass@1": 0.1, "pass@10": 0.4, "pass@2": 0.2, "avg@10": 0.1, "num_prompts": 2, "examples": [
+                 {"prompt": "p", "label": "7", "responses": ["7", "8"], "rewards": [1.0, 0.0]}]}}
+    report = eval_report(before, after)
+    assert [(r["dataset"], r["metric"]) for r in report["rows"]] == [
+        ("heldout", "pass@1"), ("aime", "pass@1"), ("aime", "pass@2"), ("aime", "pass@10"), ("aime", "avg@10")]
+    assert report["rows"][0] == {"dataset": "heldout", "metric": "pass@1", "before": 0.25, "after": 0.5, "delta": 0.25}
+    assert report["rows"][1]["before"] is None and report["rows"][1]["delta"] is None
+    markdown = report_markdown(report)
+    assert "| heldout | pass@1 | 0.2500 | 0.5000 | +0.2500 |" in markdown
+    assert "| aime | pass@10 | - | 0.4000 | - |" in markdown
+    samples = sample_rollouts(after)
+    assert {"dataset": "aime", "prompt": "p", "label": "7", "response": "8", "reward": 0.0} in samples
+    assert {"dataset": "heldout", "prompt": "q", "label": "1", "response": "1", "reward": 1.0} in samples
+    assert summary_metrics(after)["aime"] == {"pass@1": 0.1, "pass@10": 0.4, "pass@2": 0.2, "avg@10": 0.1,
+                                              "num_prompts": 2}

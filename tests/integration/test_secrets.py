@@ -1,0 +1,73 @@
+"""Secrets in the environment never reach MLflow: params, tags, metrics, artifacts, registry."""
+
+import os
+
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+from pathlib import Path  # noqa: E402
+
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from miles_core import reports, tracking  # noqa: E402
+from miles_core.config import build_config  # noqa: E402
+
+FAKE_SECRETS = {
+    "AWS_SECRET_ACCESS_KEY": "fakeAwsSecret/9f3Kq2LmZx7Rt0Vb",
+    "AWS_ACCESS_KEY_ID": "AKIAFAKEKEYID7Q2W3E4",
+    "HF_TOKEN": "hf_fakeTokenQWERTYasdfgh123456",
+}
+
+BEFORE = {"heldout": {"pass@1": 0.25, "num_prompts": 4, "examples": []}}
+AFTER = {"heldout": {"pass@1": 0.75, "avg@1": 0.75, "num_prompts": 4, "examples": [
+    {"prompt": [{"role": "user", "content": "1+2="}], "label": "3", "responses": ["3"], "rewards": [1.0]}]}}
+
+
+def _leaks(text: str) -> list[str]:
+    return [name for name, value in FAKE_SECRETS.items() if value in text]
+
+
+def test_nothing_from_the_environment_reaches_the_run(tmp_path, monkeypatch, tiny_model_dir):
+    for name, value in FAKE_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = build_config({"storage": {"work_dir": str(tmp_path / "work"), "object_store_uri": "s3://bucket/runs"},
+                        "tracking": {"tracking_uri": uri}})
+    uri, run_id = tracking.start_or_attach_run(cfg, "secrets-run", {"miles.flow_run_id": "local"})
+    tracking.log_eval(uri, run_id, "after", AFTER["heldout"], step=1)
+    reports.log_eval_metrics(uri, run_id, "after", AFTER, step=1)
+    reports.log_report(uri, run_id, BEFORE, AFTER, [0.1, 0.4, 0.6])
+    version = tracking.register_model(uri, run_id, "secrets-model", str(tiny_model_dir), {"eval_pass_at_1": "0.75"})
+    tracking.finish(uri, run_id, "FINISHED")
+
+    client = MlflowClient(uri, registry_uri=uri)
+    run = client.get_run(run_id)
+    assert len(run.data.params) > 50  # the whole flattened config was logged
+    for kind, values in {"params": run.data.params, "tags": run.data.tags,
+                         "metrics": {k: str(v) for k, v in run.data.metrics.items()},
+                         "model version tags": client.get_model_version("secrets-model", version).tags}.items():
+        for key, value in values.items():
+            assert not _leaks(f"{key}={value}"), (kind, key)
+
+    local = Path(client.download_artifacts(run_id, "", str(tmp_path / "artifacts")))
+    files = [p for p in local.rglob("*") if p.is_file()]
+    assert {"eval/report.json", "eval/samples.json", "plots/eval.png", "hf_export/config.json"} <= \
+        {p.relative_to(local).as_posix() for p in files}
+    assert (local / "plots" / "eval.png").read_bytes()[:4] == b"\x89PNG"
+    for path in files:
+        assert not _leaks(path.read_bytes().decode("latin-1")), path
+    # and the tracking database itself, every table at once
+    assert not _leaks((tmp_path / "mlflow.db").read_bytes().decode("latin-1"))
+
+
+def test_config_fields_that_look_like_secrets_are_redacted():
+    flat = tracking.flatten({
+        "storage": {"object_store_uri": "s3://bucket/prefix", "aws_secret_access_key": "s3cr3t"},
+        "hub": {"HF_TOKEN": "hf_abc", "api_key": "k-123", "password": "hunter2", "aws_access_key_id": "AKIA1"},
+        "tracking": {"token": ""},  # empty: nothing to hide, kept visible as empty
+    })
+    assert flat["storage.object_store_uri"] == "s3://bucket/prefix"
+    for key in ("storage.aws_secret_access_key", "hub.HF_TOKEN", "hub.api_key", "hub.password",
+                "hub.aws_access_key_id"):
+        assert flat[key] == "<redacted>", key
+    assert flat["tracking.token"] == ""
+    assert not any(v in " ".join(flat.values()) for v in ("s3cr3t", "hf_abc", "k-123", "hunter2", "AKIA1"))
