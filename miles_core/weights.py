@@ -58,7 +58,7 @@ class ObjectStoreTransport:
         import ray
 
         started = time.perf_counter()
-        state_ref = trainer.hf_state_dict.remote()
+        state_ref = trainer.hf_state_dict.remote(True)  # host memory: the object store is shared by processes
         _check(ray.get([actor.update_weights_from_tensors.remote(state_ref, str(version)) for actor, _ in targets]),
                version)
         if self.verify:

@@ -255,12 +255,14 @@ class FSDPTrainer:
     def _full_weights(self) -> dict[str, torch.Tensor]:
         return state_io.full_weights(self.model)
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights under Hugging Face names, on CPU (tied head dropped)."""
-        return state_io.full_weights(self.model, drop_tied_head=self.tied)
+    def hf_state_dict(self, to_cpu: bool | None = None) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights under Hugging Face names (tied head dropped); on the GPU
+        unless to_cpu (default: only when training on CPU)."""
+        to_cpu = not torch.cuda.is_available() if to_cpu is None else to_cpu
+        return state_io.full_weights(self.model, drop_tied_head=self.tied, to_cpu=to_cpu)
 
     def weights_sha256(self) -> str:
-        return weights_sha256(self.hf_state_dict())
+        return weights_sha256(self.hf_state_dict(to_cpu=True))
 
     # ---- broadcast weight sync (sender side; see miles_core.weights.BroadcastTransport) -----
     def broadcast_backend(self) -> str:
@@ -294,7 +296,7 @@ class FSDPTrainer:
         self.model.config.save_pretrained(out_dir)
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.save_pretrained(out_dir)
-        save_file(self.hf_state_dict(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        save_file(self.hf_state_dict(to_cpu=True), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         self.tokenizer.save_pretrained(out_dir)
         return out_dir
 

@@ -24,8 +24,10 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 LOAD_FULL = StateDictOptions(full_state_dict=True)
 
 
-def full_weights(model: torch.nn.Module, drop_tied_head: bool = False) -> dict[str, torch.Tensor]:
-    state = get_model_state_dict(model, options=FULL)
+def full_weights(model: torch.nn.Module, drop_tied_head: bool = False, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+    """Unsharded weights; to_cpu=False keeps them on the GPU (a device-to-device sync is
+    ~100x faster than a round trip through host memory)."""
+    state = get_model_state_dict(model, options=FULL if to_cpu else LOAD_FULL)
     if drop_tied_head:
         state.pop("lm_head.weight", None)
     return {k: v.contiguous() for k, v in state.items()}

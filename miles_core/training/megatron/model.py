@@ -212,7 +212,8 @@ def transformer_config(hf_config, tp: int = 1, dtype: torch.dtype = torch.float3
         ffn_hidden_size=hf_config.intermediate_size, normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+        # GPU: megatron's fused SwiGLU (torch.compile'd); CPU: plain ops
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=not on_cpu, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, init_method_std=getattr(hf_config, "initializer_range", 0.02),
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=False,
@@ -262,9 +263,25 @@ def build_gpt_model(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, 
                      post_process=post_process, share_embeddings_and_output_weights=shape.tied and post_process,
                      position_embedding_type="rope",
                      rotary_base=theta, rotary_percent=1.0, parallel_output=True, **scaling)
+    _mark_tensor_parallel(model)
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+def _mark_tensor_parallel(model) -> None:
+    """With perform_initialization=False megatron never tags TP-split weights
+    (`tensor_model_parallel`, set inside its init functions), so grad-norm code would count
+    them as replicated. Tag them here: column/vocab-parallel on dim 0, row-parallel on dim 1."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for module in model.modules():
+        dim = 0 if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) else \
+            1 if isinstance(module, RowParallelLinear) else None
+        weight = getattr(module, "weight", None)
+        if dim is not None and isinstance(weight, torch.nn.Parameter) and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def causal_positions(tokens: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from miles_core.training.fsdp import pad_batch
 from miles_core.training.megatron import mapping, state
 from miles_core.training.megatron.convert import TORCH_DIST, load_hf_weights, load_model_checkpoint, \
     verify_manifest
-from miles_core.training.megatron.logprobs import clip_grad_norm, token_logprobs
+from miles_core.training.megatron.logprobs import clip_grad_norm, next_token_logprobs
 from miles_core.training.megatron.model import build_gpt_model, causal_positions, forward_logits, init_parallel, \
     model_shape, shutdown_parallel
 from miles_core.weights import weights_sha256
@@ -53,6 +53,9 @@ class MegatronOptions:
         if section is None:
             return cls()
         fields = section.model_dump() if hasattr(section, "model_dump") else dict(section)
+        if fields.get("cp", 1) != 1 or fields.get("sequence_parallel", False):
+            raise NotImplementedError("training.megatron: context parallelism (cp > 1) and sequence_parallel "
+                                      "need TransformerEngine; the local spec with SDPA supports neither")
         return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
 
 
@@ -174,9 +177,9 @@ class MegatronTrainer:
     def _token_logprobs(self, model, mb: dict[str, torch.Tensor], with_entropy: bool = False, vocab_size=None):
         tokens = mb["tokens"]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
-            logits = forward_logits(model, tokens)[:, :-1]
-        return token_logprobs(logits, tokens[:, 1:], self.temperature, vocab_size or self.shape.vocab_size,
-                              with_entropy, self.opts.logprob_chunk_tokens)
+            logits = forward_logits(model, tokens)
+        return next_token_logprobs(logits, tokens, self.temperature, vocab_size or self.shape.vocab_size,
+                                   with_entropy, self.opts.logprob_chunk_tokens)
 
     def _values(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = mb["tokens"]
