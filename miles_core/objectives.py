@@ -20,6 +20,14 @@ def needs_reference(cfg: AlgorithmConfig) -> bool:
     return cfg.kl_loss_coef > 0 or cfg.kl_in_reward_coef > 0
 
 
+def old_logp_from_update_forward(cfg: AlgorithmConfig, num_updates: int) -> bool:
+    """With one update per batch the old policy *is* the current one, so its log-probs equal
+    the (detached) log-probs of the update's own forward pass: skip a separate scoring pass,
+    unless advantages or weights need them before the update."""
+    return (num_updates == 1 and cfg.name in ("grpo", "gspo", "cispo") and cfg.effective_opd_coef == 0
+            and cfg.correction.kind == "none" and cfg.old_logprob_source == "trainer" and not cfg.uses_critic)
+
+
 def _reward_kl(cfg: AlgorithmConfig, b: Batch) -> torch.Tensor | None:
     if cfg.kl_in_reward_coef == 0:
         return None

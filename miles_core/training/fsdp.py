@@ -133,9 +133,9 @@ class FSDPTrainer:
         return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
 
     @torch.no_grad()
-    def _score(self, batch: dict[str, torch.Tensor]) -> None:
+    def _score(self, batch: dict[str, torch.Tensor], with_old: bool = True) -> None:
         """Old-policy, reference, teacher log-probs and old values, micro-batch by micro-batch."""
-        scorers = {"old_logp": lambda mb: self._token_logprobs(self.model, mb)[0]}
+        scorers = {"old_logp": lambda mb: self._token_logprobs(self.model, mb)[0]} if with_old else {}
         if self.reference is not None:
             scorers["ref_logp"] = lambda mb: self._token_logprobs(self.reference, mb)[0]
         if self.teacher is not None:
@@ -155,14 +155,30 @@ class FSDPTrainer:
     # ---- one RL step ----------------------------------------------------------------------
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """Score, compute advantages over the whole batch, then policy/critic update(s)."""
-        cfg = self.algorithm
+        cfg, num_updates = self.algorithm, self.training.num_updates_per_step
         batch = pad_batch(samples, self.tokenizer.pad_token_id)
-        self._score(batch)
+        lazy_old = objectives.old_logp_from_update_forward(cfg, num_updates)
+        self._score(batch, with_old=not lazy_old)
         if cfg.old_logprob_source == "rollout":  # ratio against the behaviour policy
             batch["trainer_logp"], batch["old_logp"] = batch["old_logp"], batch["rollout_logp"] * batch["mask"]
         objectives.compute_advantages(cfg, batch, self.group_size)
         weights = objectives.importance_weights(cfg, batch)
         batch["is_weights"] = weights if weights is not None else torch.ones_like(batch["mask"])
+        self._update_logp: list[torch.Tensor] = []
+        chunk = -(-len(samples) // num_updates)
+        metrics: dict[str, float] = {}
+        for start in range(0, len(samples), chunk):
+            metrics |= self._update(_select(batch, slice(start, start + chunk)))
+        if lazy_old:
+            batch["old_logp"] = torch.cat(self._update_logp)
+        metrics |= self._batch_metrics(batch)
+        self.step += 1
+        if cfg.ref_refresh_interval_steps and self.reference is not None and self.step % cfg.ref_refresh_interval_steps == 0:
+            self.reference.load_state_dict(self._full_weights(), strict=False)
+        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _batch_metrics(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         mask = batch["mask"]
         train_logp = batch.get("trainer_logp", batch["old_logp"])
         metrics = {k: float(v) for k, v in algo.mismatch_metrics(train_logp, batch["rollout_logp"], mask).items()}
@@ -170,14 +186,6 @@ class FSDPTrainer:
         metrics["train/advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
         if self.teacher is not None:
             metrics["opd/reverse_kl"] = float(((batch["old_logp"] - batch["teacher_logp"]) * mask).sum() / mask.sum())
-        num_updates = self.training.num_updates_per_step
-        chunk = -(-len(samples) // num_updates)
-        for start in range(0, len(samples), chunk):
-            metrics |= self._update(_select(batch, slice(start, start + chunk)))
-        self.step += 1
-        if cfg.ref_refresh_interval_steps and self.reference is not None and self.step % cfg.ref_refresh_interval_steps == 0:
-            self.reference.load_state_dict(self._full_weights(), strict=False)
-        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
     def _update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -213,6 +221,9 @@ class FSDPTrainer:
     def _loss(self, mb: dict[str, torch.Tensor], totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
         cfg, mask = self.algorithm, mb["mask"]
         logp, entropy = self._token_logprobs(self.model, mb, with_entropy=cfg.entropy_coef > 0)
+        self._update_logp.append(logp.detach())
+        if "old_logp" not in mb:  # one update per batch: the old policy is this forward's
+            mb["old_logp"] = logp.detach()
         token_loss, clipped, _ = objectives.policy_token_loss(cfg, logp, mb)
 
         def agg(values: torch.Tensor) -> torch.Tensor:  # this micro-batch's share of the batch aggregate

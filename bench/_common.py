@@ -1,0 +1,194 @@
+"""Shared helpers of the benchmarks: models, data, SFT warm-up, configs, timing, logging.
+
+Everything here runs without Ray (the lent GPU machine has none): `stub_ray_if_missing`
+lets miles_core's modules import there, and the warm-up runs the trainer in-process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, Iterable
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_RECIPE = REPO / "configs" / "local.yaml"
+
+# The 0.6B shape of the GRPO comparison (random weights, the project's char tokenizer).
+QWEN3_06B_SHAPE = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072,
+                   "vocab_size": 151936, "tie_word_embeddings": True}
+
+
+def setup_env() -> None:
+    """Quiet, deterministic library settings (as in tests/conftest.py); repo importable."""
+    for key, value in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+                       "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                       "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
+                       "PYTHONWARNINGS": "ignore"}.items():
+        os.environ.setdefault(key, value)
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import warnings
+
+    warnings.filterwarnings("ignore")
+
+
+def stub_ray_if_missing() -> bool:
+    """miles_core.weights imports ray at module level; the in-process paths never call it.
+    Returns True when a stub was installed (no Ray on this machine)."""
+    try:
+        import ray  # noqa: F401
+        return False
+    except ImportError:
+        sys.modules["ray"] = types.ModuleType("ray")
+        return True
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def median(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def rounded(tree: Any, digits: int = 4) -> Any:
+    if isinstance(tree, float):
+        return round(tree, digits)
+    if isinstance(tree, dict):
+        return {k: rounded(v, digits) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [rounded(v, digits) for v in tree]
+    return tree
+
+
+def local_config(overrides: list[str]):
+    """configs/local.yaml plus dotted overrides, validated (miles_core.config.build_config)."""
+    import yaml
+
+    from miles_core.config import build_config
+
+    return build_config(yaml.safe_load(LOCAL_RECIPE.read_text()), overrides)
+
+
+def _digest(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def prepare_data(work_dir: Path) -> Path:
+    from miles_core.data import write_arithmetic_task
+
+    cfg = local_config([])
+    train, _ = write_arithmetic_task(cfg.data.builtin, work_dir / f"data-{_digest(cfg.data.builtin.model_dump())}")
+    return train
+
+
+def _build_qwen3_06b_shape(out_dir: Path) -> Path:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from miles_core.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    assert len(tokenizer) <= QWEN3_06B_SHAPE["vocab_size"]  # every token id is a valid embedding row
+    config = Qwen3Config(**QWEN3_06B_SHAPE, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def prepare_model(kind: str, work_dir: Path) -> Path:
+    """`tiny`: the built-in tiny Qwen3; `qwen3-0.6b-shape`: a random Qwen3 of the 0.6B shape.
+    Built once per work_dir (random weights are seeded, so a rebuild is identical)."""
+    from miles_core.config import TinyModelConfig
+    from miles_core.tiny import build_tiny_model
+
+    out = work_dir / f"model-{kind}"
+    if (out / "config.json").is_file():
+        return out
+    log(f"building model {kind} in {out}")
+    if kind == "tiny":
+        return build_tiny_model(TinyModelConfig(), out)
+    if kind == "qwen3-0.6b-shape":
+        return _build_qwen3_06b_shape(out)
+    raise ValueError(f"unknown model {kind!r}")
+
+
+def trainer_device(device: str):
+    """Context in which miles_core's FSDPTrainer is built and stepped on `device`.
+
+    FSDPTrainer creates tensors without a device argument (they follow torch's default device)
+    and, outside a launcher, makes a private world-size-1 gloo group. On CUDA a world-size-1
+    NCCL group is made first (FSDP2's collectives then run on the GPU) and the default device
+    is CUDA inside the context. On CPU nothing changes.
+    """
+    import contextlib
+
+    import torch
+
+    if device == "cpu":
+        return contextlib.nullcontext()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        port = _free_port()
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+    return torch.device(device)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def sft_warmup(model_dir: Path, train_path: Path, steps: int, work_dir: Path, device: str) -> Path:
+    """What miles_core.warmup.run_sft_warmup does (local recipe's batch size and lr), but
+    in-process so no Ray is needed. Cached by model, steps and device; 0 steps = random model."""
+    if steps == 0:
+        return model_dir
+    import random
+
+    from transformers import AutoTokenizer
+
+    from miles_core.data import read_prompts, sft_samples
+    from miles_core.training.fsdp import FSDPTrainer
+
+    cfg = local_config([f"warmup.sft_steps={steps}"])
+    key = _digest({"model": model_dir.name, "warmup": cfg.warmup.model_dump(), "seed": cfg.seed, "device": device})
+    out = work_dir / f"warm-{model_dir.name}-{key}"
+    if (out / "model.safetensors").is_file():
+        log(f"SFT warm-up cached at {out}")
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    samples = sft_samples(read_prompts(train_path, cfg.data, tokenizer), tokenizer)
+    training = cfg.training.model_copy(update={"lr": cfg.warmup.lr, "lr_warmup_steps": 0})
+    rng, started = random.Random(cfg.seed), time.perf_counter()
+    with trainer_device(device):
+        trainer = FSDPTrainer(str(model_dir), training, cfg.algorithm, seed=cfg.seed)
+        for _ in range(steps):
+            loss = trainer.sft_step(rng.sample(samples, min(cfg.warmup.batch_size, len(samples))))
+        trainer.export_hf(str(out) + ".tmp")
+    trainer.close()
+    os.replace(str(out) + ".tmp", out)
+    log(f"SFT warm-up: {steps} steps in {time.perf_counter() - started:.1f} s, last loss {loss:.3f} -> {out}")
+    return out

@@ -1,0 +1,301 @@
+"""GRPO step time: this project vs TRL's GRPOTrainer, same model, batch, lengths and lr.
+
+    python bench/grpo_vs_trl.py --device cpu --model tiny --mode inprocess --steps 6
+
+Modes for "ours":
+  inprocess  one sync step = EmbeddedEngine.generate (through RolloutManager, with rewards)
+             + FSDPTrainer.train_step + weight copy into the engine, all in this process.
+             Its steps are interleaved one-to-one with TRL's (ours runs between TRL steps,
+             outside TRL's timed window), so both see the same machine load. Works without Ray.
+  ray        miles_core.train.run_training on a local Ray (trainer and engine actors, sync
+             loop, object-store weight sync); ours and TRL alternate run by run (--repeats).
+
+TRL: GRPOTrainer(use_vllm=False) with one generation of P*G completions per optimizer step
+(per_device_train_batch_size = generation_batch_size = P*G, no accumulation); each optimizer
+step is timed from on_step_begin to on_step_end. The first --skip steps of each are dropped.
+Progress goes to stderr; the last stdout line is the JSON result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--model", choices=["tiny", "qwen3-0.6b-shape"], default="tiny")
+    p.add_argument("--mode", choices=["inprocess", "ray"], default="inprocess", help="how ours is run")
+    p.add_argument("--steps", type=int, default=6, help="timed steps of each (after --skip warm-up steps)")
+    p.add_argument("--skip", type=int, default=2, help="warm-up steps dropped from each")
+    p.add_argument("--repeats", type=int, default=1, help="ray mode: ours/TRL runs, alternating")
+    p.add_argument("--prompts", type=int, default=32, help="P: prompts per step")
+    p.add_argument("--samples", type=int, default=8, help="G: samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=6, help="L: max generation length")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both frameworks)")
+    p.add_argument("--sft-steps", type=int, default=None,
+                   help="SFT warm-up steps before RL (default: 200 for tiny, 0 = random for the 0.6B shape)")
+    p.add_argument("--trl-gradient-checkpointing", action="store_true",
+                   help="keep TRL's default gradient checkpointing (off by default: ours does not use it)")
+    p.add_argument("--work-dir", default="/tmp/miles-bench")
+    return p.parse_args(argv)
+
+
+OURS_MODES = {"inprocess": "FSDPTrainer.train_step + EmbeddedEngine.generate (RolloutManager, rewards) + weight copy, "
+                          "in this process, steps interleaved 1:1 with TRL's",
+              "ray": "run_training on local Ray (sync loop, object_store weight sync), runs alternating with TRL's"}
+
+
+def ours_config(args: argparse.Namespace, num_steps: int):
+    return c.local_config([
+        f"training.num_steps={num_steps}", f"training.lr={args.lr}", f"training.num_threads={args.threads}",
+        f"rollout.num_prompts_per_step={args.prompts}", f"rollout.num_samples_per_prompt={args.samples}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.loop=sync", "checkpoint.interval_steps=100000",
+        f"training.micro_batch_size={args.prompts * args.samples}"])
+
+
+# ---- ours, in-process ------------------------------------------------------------------------
+class _LocalEngines:
+    """The slice of EngineGroup that RolloutManager uses, over one in-process engine."""
+
+    num_healthy = 1
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, input_ids, sampling_params):
+        return self.engine.generate(input_ids, sampling_params, return_logprob=True,
+                                    seed=sampling_params.get("sampling_seed"))
+
+
+class OursInProcess:
+    """One sync RL step as run_loop does it, without actors: rollout -> train -> weight sync."""
+
+    def __init__(self, cfg, model_dir: Path, train_path: Path, device: str):
+        from transformers import AutoTokenizer
+
+        from miles_core.data import PromptSource, read_prompts
+        from miles_core.rollout.engine import EmbeddedEngine
+        from miles_core.rollout.manager import RolloutManager
+        from miles_core.training.fsdp import FSDPTrainer
+
+        r, self.cfg, self.device = cfg.rollout, cfg, device
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.source = PromptSource(read_prompts(train_path, cfg.data, tokenizer), seed=cfg.seed)
+        with c.trainer_device(device):
+            self.trainer = FSDPTrainer(str(model_dir), cfg.training, cfg.algorithm, r.temperature, r.max_new_tokens,
+                                       cfg.seed, r.num_samples_per_prompt)
+        self.engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads, device)
+        self.manager = RolloutManager(_LocalEngines(self.engine), r, r.reward)
+        self.step, self.times = 0, []
+
+    def run_step(self) -> dict:
+        t0 = time.perf_counter()
+        prompts = self.source.next_batch(self.cfg.rollout.num_prompts_per_step)
+        samples = self.manager.generate(prompts, seed=self.cfg.seed * 100_003 + self.step * 97)
+        t1 = time.perf_counter()
+        with c.trainer_device(self.device):
+            metrics = self.trainer.train_step(samples)
+        t2 = time.perf_counter()
+        self.step += 1
+        result = self.engine.update_weights_from_tensors(self.trainer.hf_state_dict(), str(self.step))
+        assert result["success"], result
+        t3 = time.perf_counter()
+        record = {"step": t3 - t0, "rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2,
+                  "reward": sum(s.reward for s in samples) / len(samples),
+                  "response_len": sum(len(s.response_ids) for s in samples) / len(samples),
+                  "loss": metrics["train/loss"]}
+        self.times.append(record)
+        c.log(f"ours step {self.step}: {record['step']:.3f} s (rollout {record['rollout']:.3f}, "
+              f"train {record['train']:.3f}, sync {record['sync']:.4f})")
+        return record
+
+
+# ---- ours, on Ray ----------------------------------------------------------------------------
+def run_ours_ray(args, model_dir: Path, train_path: Path, run_dir: Path) -> list[dict]:
+    import ray
+
+    from miles_core.train import TrainSpec, run_training
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    cfg = ours_config(args, args.skip + args.steps)
+    spec = TrainSpec(cfg.model_dump(mode="json"), str(model_dir), str(train_path), str(run_dir))
+    history = run_training(spec, on_metrics=lambda step, m: c.log(
+        f"ours(ray) step {step}: {m['time/step_seconds']:.3f} s")).history
+    return [{"step": h["time/step_seconds"], "rollout": h["time/rollout_seconds"],
+             "train": h["time/train_seconds"], "sync": h["weights/sync_seconds"],
+             "reward": h["rollout/reward_mean"], "response_len": h["rollout/response_len_mean"],
+             "loss": h["train/loss"]} for h in history]
+
+
+# ---- TRL -------------------------------------------------------------------------------------
+def exact_match_reward(prompts, completions, label, **_):
+    """miles_core.rewards.exact_match on the assistant message TRL generated."""
+    from miles_core.rewards import exact_match
+
+    texts = [comp[-1]["content"] if isinstance(comp, list) else comp for comp in completions]
+    return [exact_match(text, str(gold)) for text, gold in zip(texts, label)]
+
+
+def trl_dataset(train_path: Path):
+    from datasets import Dataset
+
+    rows = [json.loads(line) for line in train_path.read_text().splitlines() if line.strip()]
+    return Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in rows])
+
+
+def make_step_timer(between=None):
+    """A TrainerCallback timing each optimizer step (on_step_begin -> on_step_end); `between`
+    runs after the step's end is recorded (outside the timed window)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.logs, self._begin = [], [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self._begin)
+            c.log(f"trl  step {state.global_step}: {self.times[-1]:.3f} s")
+            if between is not None:
+                between()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs or {}))
+
+    return StepTimer()
+
+
+def trl_trainer_class():
+    """GRPOTrainer that also records how long generation + scoring took in each step."""
+    from trl import GRPOTrainer
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        rollout_times: list[float] = []
+
+        def _generate_and_score_completions(self, inputs):
+            started = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            self.rollout_times.append(time.perf_counter() - started)
+            return out
+
+    return TimedGRPOTrainer
+
+
+def trl_config(args, cfg, max_steps: int, out_dir: Path):
+    from trl import GRPOConfig
+
+    a, t = cfg.algorithm, cfg.training
+    return GRPOConfig(
+        output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=args.prompts * args.samples,
+        gradient_accumulation_steps=1, generation_batch_size=args.prompts * args.samples,
+        num_generations=args.samples, max_completion_length=args.max_new_tokens,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, learning_rate=args.lr,
+        lr_scheduler_type="constant", optim="adamw_torch", adam_beta1=t.adam_betas[0], adam_beta2=t.adam_betas[1],
+        weight_decay=t.weight_decay, max_grad_norm=t.grad_clip, epsilon=a.eps_clip_low, epsilon_high=a.eps_clip_high,
+        beta=0.0, loss_type="dapo", scale_rewards="group", use_vllm=False, report_to=[], logging_steps=1,
+        save_strategy="no", bf16=False, fp16=False, use_cpu=args.device == "cpu", seed=cfg.seed,
+        gradient_checkpointing=args.trl_gradient_checkpointing, disable_tqdm=True, dataloader_pin_memory=False)
+
+
+def run_trl(args, cfg, model_dir: Path, train_path: Path, out_dir: Path, between=None) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    trainer_cls, timer = trl_trainer_class(), make_step_timer(between)
+    trainer_cls.rollout_times = []
+    trainer = trainer_cls(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                          reward_funcs=exact_match_reward, args=trl_config(args, cfg, args.skip + args.steps, out_dir),
+                          train_dataset=trl_dataset(train_path), processing_class=AutoTokenizer.from_pretrained(model_dir),
+                          callbacks=[timer])
+    trainer.train()
+    step_logs = [entry for entry in timer.logs if "reward" in entry]
+    return [{"step": s, "rollout": r, "train": s - r, "reward": log.get("reward"),
+             "response_len": log.get("completions/mean_length"), "loss": log.get("loss")}
+            for s, r, log in zip(timer.times, trainer_cls.rollout_times, step_logs)]
+
+
+# ---- driver ----------------------------------------------------------------------------------
+def summarize(keep: list[dict]) -> dict:
+    """Medians over the timed steps (warm-up steps already dropped)."""
+    out = {f"{key}_seconds_median": c.median(r[key] for r in keep if r.get(key) is not None)
+           for key in ("step", "rollout", "train", "sync") if any(key in r for r in keep)}
+    for key in ("reward", "response_len"):
+        values = [float(r[key]) for r in keep if r.get(key) is not None]
+        out[f"{key}_mean"] = sum(values) / len(values) if values else None
+    out["step_seconds_all"] = [r["step"] for r in keep]
+    return out
+
+
+def run_inprocess(args, cfg, start_dir: Path, train_path: Path, work: Path) -> tuple[list, list]:
+    ours = OursInProcess(cfg, start_dir, train_path, args.device)
+    trl = run_trl(args, cfg, start_dir, train_path, work / "trl-out", between=ours.run_step)
+    ours.trainer.close()
+    return ours.times[args.skip:], trl[args.skip:]
+
+
+def run_ray(args, cfg, start_dir: Path, train_path: Path, work: Path) -> tuple[list, list]:
+    ours, trl = [], []
+    for repeat in range(args.repeats):
+        c.log(f"repeat {repeat + 1}/{args.repeats}: ours on Ray")
+        ours += run_ours_ray(args, start_dir, train_path, work / f"ours-run-{time.time_ns()}")[args.skip:]
+        c.log(f"repeat {repeat + 1}/{args.repeats}: TRL")
+        trl += run_trl(args, cfg, start_dir, train_path, work / "trl-out")[args.skip:]
+    return ours, trl
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # FSDP2 would otherwise pick the accelerator
+    c.setup_env()
+    no_ray = c.stub_ray_if_missing()
+    if args.mode == "ray" and no_ray:
+        raise SystemExit("--mode ray needs Ray; use --mode inprocess on this machine")
+    if args.sft_steps is None:
+        args.sft_steps = 200 if args.model == "tiny" else 0
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir, train_path = c.prepare_model(args.model, work), c.prepare_data(work)
+    start_dir = c.sft_warmup(model_dir, train_path, args.sft_steps, work, args.device)
+    cfg = ours_config(args, args.skip + args.steps)
+    load_before, started = c.load_average(), time.perf_counter()
+    runner = run_inprocess if args.mode == "inprocess" else run_ray
+    with contextlib.redirect_stdout(sys.stderr):  # Trainer prints its logs; stdout is for the JSON
+        ours, trl = runner(args, cfg, start_dir, train_path, work)
+    o, t = summarize(ours), summarize(trl)
+    result = {
+        "ours_step_seconds_median": o["step_seconds_median"], "trl_step_seconds_median": t["step_seconds_median"],
+        "ratio_trl_over_ours": t["step_seconds_median"] / o["step_seconds_median"],
+        # inprocess: step i of each ran back to back, so the ratio of each pair cancels slow load drifts
+        "ratio_trl_over_ours_paired_median": c.median(t_["step"] / o_["step"] for o_, t_ in zip(ours, trl))
+        if args.mode == "inprocess" else None,
+        "steps": len(ours), "steps_trl": len(trl), "skipped_warmup_steps": args.skip,
+        "batch": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
+                  "completions_per_step": args.prompts * args.samples},
+        "max_new_tokens": args.max_new_tokens, "lr": args.lr, "model": args.model, "device": args.device,
+        "mode": args.mode, "start_model": "random" if args.sft_steps == 0 else f"sft_warmup_{args.sft_steps}_steps",
+        "threads": args.threads, "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
+        "ours_measured": OURS_MODES[args.mode], "ours": o, "trl": t, "load_average_before": load_before, "load_average_after": c.load_average(),
+        "wall_seconds": time.perf_counter() - started,
+    }
+    print(json.dumps(c.rounded(result)), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
