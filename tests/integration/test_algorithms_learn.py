@@ -68,7 +68,8 @@ def test_objective_raises_heldout_accuracy(warm, name):
     print(f"{name}: pass@1 {before:.3f} -> {after:.3f}; reward {statistics.fmean(rewards[:5]):.3f} -> "
           f"{statistics.fmean(rewards[-5:]):.3f}")
     assert after >= before + 0.10, (name, before, after)
-    assert max(h["rollout/train_logprob_abs_diff"] for h in result.history) <= 1e-4
+    if "@" not in name:  # on-policy: trainer and engine score the same weights
+        assert max(h["rollout/train_logprob_abs_diff"] for h in result.history) <= 1e-4
 
 
 def test_on_policy_distillation_moves_student_toward_teacher(warm):
