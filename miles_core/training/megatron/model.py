@@ -201,7 +201,7 @@ def shutdown_parallel(destroy_default_group: bool) -> None:
 
 # ---- the model ---------------------------------------------------------------------------------
 def transformer_config(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,
-                       recompute: bool = False):
+                       recompute: bool = False, fused_swiglu: bool = False):
     from megatron.core.transformer import TransformerConfig
 
     shape = model_shape(hf_config, tp)
@@ -212,8 +212,9 @@ def transformer_config(hf_config, tp: int = 1, dtype: torch.dtype = torch.float3
         ffn_hidden_size=hf_config.intermediate_size, normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm,
-        # GPU: megatron's fused SwiGLU (torch.compile'd); CPU: plain ops
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=not on_cpu, bias_dropout_fusion=False,
+        # fused_swiglu: megatron's torch.compile'd SwiGLU (GPU only; opt-in, not measured yet)
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=fused_swiglu and not on_cpu,
+        bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, init_method_std=getattr(hf_config, "initializer_range", 0.02),
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=False,
@@ -245,7 +246,8 @@ def layer_spec(config):
 
 
 def build_gpt_model(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,
-                    vocab_divisor: int = DEFAULT_VOCAB_DIVISOR, recompute: bool = False, post_process: bool = True):
+                    vocab_divisor: int = DEFAULT_VOCAB_DIVISOR, recompute: bool = False, post_process: bool = True,
+                    fused_swiglu: bool = False):
     """A GPTModel for this rank (model-parallel groups must be initialised: see init_parallel).
 
     post_process=False gives the trunk only (no final norm, no output layer; returns hidden
@@ -256,7 +258,7 @@ def build_gpt_model(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, 
 
     enable_cpu_mode()
     shape = model_shape(hf_config, tp, vocab_divisor)
-    config = transformer_config(hf_config, tp, dtype, ep, recompute)
+    config = transformer_config(hf_config, tp, dtype, ep, recompute, fused_swiglu)
     theta, scaling = _rope(hf_config)
     model = GPTModel(config=config, transformer_layer_spec=layer_spec(config), vocab_size=shape.padded_vocab,
                      max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),

@@ -46,6 +46,7 @@ class MegatronOptions:
     ep: int = 1
     recompute: bool = False
     logprob_chunk_tokens: int | None = None
+    fused_swiglu: bool = False
 
     @classmethod
     def from_training(cls, training: TrainingConfig) -> "MegatronOptions":
@@ -125,7 +126,7 @@ class MegatronTrainer:
     def _build(self, hf_config, hf_weights, megatron_ckpt: str | None, post_process: bool = True):
         # post_process=False: the critic trunk (its final norm and head are the ValueHead)
         model = build_gpt_model(hf_config, self.tp, self.dtype, self.opts.ep, recompute=self.opts.recompute,
-                                post_process=post_process)
+                                post_process=post_process, fused_swiglu=self.opts.fused_swiglu)
         if megatron_ckpt is not None:
             verify_manifest(megatron_ckpt)
             load_model_checkpoint(model, Path(megatron_ckpt) / TORCH_DIST)
