@@ -338,7 +338,7 @@ class FSDPTrainer:
         meta = json.loads((ckpt_dir / "trainer_state.json").read_text())
         modules = meta.pop("modules")
         for name, model, optimizer, scheduler in self._modules():
-            state_io.load_module(ckpt_dir, name, model, optimizer, scheduler, modules[name], self.tied)
+            state_io.load_module(ckpt_dir, name, model, optimizer, scheduler, modules[name], self.tied and name == "policy")
         if (ckpt_dir / "reference.safetensors").is_file() and self.reference is not None:
             self.reference.load_state_dict(load_file(str(ckpt_dir / "reference.safetensors")))
         state_io.set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), meta.pop("python_rng"))

@@ -34,7 +34,8 @@ def _with_tokenizer(model, source: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, \
+        Qwen3MoeForCausalLM
 
     root = tmp_path_factory.mktemp("megatron")
     qwen3 = build_tiny_model(TinyModelConfig(), root / "qwen3")
@@ -53,8 +54,11 @@ def models(tmp_path_factory) -> dict[str, Path]:
     moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=4,
                                              num_experts_per_tok=2, norm_topk_prob=True, head_dim=24,
                                              tie_word_embeddings=False, **dims))
+    torch.manual_seed(3)
+    llama = LlamaForCausalLM(LlamaConfig(intermediate_size=128, tie_word_embeddings=False, rope_theta=5e5, **dims))
     return {"qwen3": qwen3, "qwen2": _with_tokenizer(qwen2, qwen3, root / "qwen2"),
-            "moe": _with_tokenizer(moe, qwen3, root / "moe"), "root": root}
+            "moe": _with_tokenizer(moe, qwen3, root / "moe"), "llama": _with_tokenizer(llama, qwen3, root / "llama"),
+            "root": root}
 
 
 def _hf(path: Path):
@@ -95,7 +99,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
         convert_hf_to_torch_dist(tmp_path, tmp_path / "out")
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen2", "moe"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "moe", "llama"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_hf_megatron_hf_round_trip_is_bit_exact(models, name, tp):
     from transformers import AutoConfig
@@ -129,7 +133,7 @@ def test_tp1_logits_match_hf_and_torch_dist_round_trip(models, tmp_path):
     created = init_parallel(1)
     try:
         tokens = torch.randint(0, 87, (3, 13), generator=torch.Generator().manual_seed(0))
-        for name in ("qwen3", "qwen2", "moe"):
+        for name in ("qwen3", "qwen2", "moe", "llama"):
             hf = _hf(models[name])
             shape = model_shape(hf.config, 1)
             model = build_gpt_model(hf.config, 1).eval()
