@@ -98,3 +98,29 @@ def policy_token_loss(cfg: AlgorithmConfig, logp: torch.Tensor, b: Batch):
         return algo.cispo_loss(logp, b["old_logp"], b["advantages"], cfg.eps_clip_low, cfg.eps_clip_high)
     return algo.clipped_policy_loss(logp, b["old_logp"], b["advantages"], cfg.eps_clip_low, cfg.eps_clip_high,
                                     dual_clip_c=cfg.dual_clip_c)
+
+
+def policy_loss(cfg: AlgorithmConfig, logp: torch.Tensor, entropy: torch.Tensor | None, mb: Batch,
+                totals: dict[str, float], max_new_tokens: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """This micro-batch's share of the batch loss: agg(policy loss * IS weight) - entropy bonus
+    + KL loss, with the global token/sequence counts as denominators (gradient accumulation)."""
+    mask = mb["mask"]
+    token_loss, clipped, _ = policy_token_loss(cfg, logp, mb)
+
+    def agg(values: torch.Tensor) -> torch.Tensor:
+        return algo.aggregate(values, mask, cfg.loss_aggregation, max_new_tokens,
+                              num_tokens=totals["num_tokens"], num_seqs=totals["num_seqs"])
+
+    loss = agg(token_loss * mb["is_weights"])
+    parts = {"train/pg_loss": float(loss.detach()), "train/clip_frac": float(agg(clipped)),
+             "train/ppo_kl": float(agg(mb["old_logp"] - logp.detach()))}
+    if entropy is not None:
+        ent = agg(entropy)
+        loss = loss - cfg.entropy_coef * ent
+        parts["train/entropy"] = float(ent.detach())
+    if cfg.kl_loss_coef > 0:
+        kl = agg(algo.kl_estimate(logp, mb["ref_logp"], cfg.kl_estimator))
+        loss = loss + cfg.kl_loss_coef * kl
+        parts["train/kl_loss"] = float(kl.detach())
+    parts["train/loss"] = float(loss.detach())
+    return loss, parts

@@ -219,30 +219,12 @@ class FSDPTrainer:
         return sums
 
     def _loss(self, mb: dict[str, torch.Tensor], totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
-        cfg, mask = self.algorithm, mb["mask"]
+        cfg = self.algorithm
         logp, entropy = self._token_logprobs(self.model, mb, with_entropy=cfg.entropy_coef > 0)
         self._update_logp.append(logp.detach())
         if "old_logp" not in mb:  # one update per batch: the old policy is this forward's
             mb["old_logp"] = logp.detach()
-        token_loss, clipped, _ = objectives.policy_token_loss(cfg, logp, mb)
-
-        def agg(values: torch.Tensor) -> torch.Tensor:  # this micro-batch's share of the batch aggregate
-            return algo.aggregate(values, mask, cfg.loss_aggregation, self.max_new_tokens,
-                                  num_tokens=totals["num_tokens"], num_seqs=totals["num_seqs"])
-
-        loss = agg(token_loss * mb["is_weights"])
-        parts = {"train/pg_loss": float(loss.detach()), "train/clip_frac": float(agg(clipped)),
-                 "train/ppo_kl": float(agg(mb["old_logp"] - logp.detach()))}
-        if entropy is not None:
-            ent = agg(entropy)
-            loss = loss - cfg.entropy_coef * ent
-            parts["train/entropy"] = float(ent.detach())
-        if cfg.kl_loss_coef > 0:
-            kl = agg(algo.kl_estimate(logp, mb["ref_logp"], cfg.kl_estimator))
-            loss = loss + cfg.kl_loss_coef * kl
-            parts["train/kl_loss"] = float(kl.detach())
-        parts["train/loss"] = float(loss.detach())
-        return loss, parts
+        return objectives.policy_loss(cfg, logp, entropy, mb, totals, self.max_new_tokens)
 
     def sft_step(self, samples: list[Sample]) -> float:
         """One supervised step: agg(-log p) over the trainable response tokens."""
