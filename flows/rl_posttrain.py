@@ -76,6 +76,8 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
         model = _cached_dir(prepare_model, config=config)
     with timer("prepare_data"):
         data = prepare_data(config=config)
+        if not all(Path(p).is_file() for p in data.values()):  # cached entry whose files were deleted
+            data = prepare_data.with_options(refresh_cache=True)(config=config)
     with timer("ensure_ray"):
         ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir)
     with timer("sft_warmup"):
@@ -112,7 +114,7 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
         "promotion": promotion,
         "steps": result["steps"], "resumed_from_step": result["resumed_from_step"],
         "checkpoint_uri": uploaded["checkpoint_uri"], "hf_export_uri": uploaded["hf_export_uri"],
-        "hf_export_dir": result["hf_export_dir"], "model_version": version,
+        "hf_export_dir": result["hf_export_dir"], "model_version": version, "data": data,
         "mlflow": {"tracking_uri": uri, "run_id": mlflow_run, "model_name": cfg.tracking.registered_model_name},
         "reward_curve": reward_curve,
         "timings": timer.seconds,

@@ -26,7 +26,8 @@ def work_dir(tmp_path_factory) -> Path:
 def miles(work: Path, *args: str, overrides=SHORT) -> subprocess.Popen:
     """Start `miles ...` in its own session; output goes to a file (a pipe nobody reads
     while the test polls would fill up and block the child)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Each run gets its own Prefect home under its work dir (other tests may set PREFECT_* here).
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)
     sets = [x for o in [*overrides, f"storage.work_dir={work}"] for x in ("--set", o)]
     log = open(work / f"miles-{time.time_ns()}.log", "w+")

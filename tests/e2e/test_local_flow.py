@@ -18,7 +18,8 @@ pytestmark = pytest.mark.e2e
 def finished_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("work")
     run_dir = work / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Each run gets its own Prefect home under its work dir (other tests may set PREFECT_* here).
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "configs/local.yaml"),
            "--set", f"storage.work_dir={work}", "--run-dir", str(run_dir)]
@@ -58,7 +59,7 @@ def test_uploaded_export_loads_and_matches_eval(finished_run, tmp_path):
     from miles_core.storage import download_dir
 
     local = download_dir(summary["hf_export_uri"], tmp_path / "export")
-    eval_path = next((work / "cache" / "data").rglob("eval.jsonl"))
+    eval_path = summary["data"]["eval_path"]
     accuracy = greedy_accuracy(local, eval_path)
     assert abs(accuracy - summary["eval"]["after"]) <= 0.02, (accuracy, summary["eval"])
 
