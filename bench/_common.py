@@ -95,22 +95,15 @@ def prepare_data(work_dir: Path) -> Path:
 
 
 def _build_qwen3_06b_shape(out_dir: Path) -> Path:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
 
-    from miles_core.tiny import build_tokenizer
+    from miles_core.tiny import build_tokenizer, save_random_model
 
     tokenizer = build_tokenizer()
     assert len(tokenizer) <= QWEN3_06B_SHAPE["vocab_size"]  # every token id is a valid embedding row
     config = Qwen3Config(**QWEN3_06B_SHAPE, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None, torch_dtype="float32")
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return save_random_model(config, tokenizer, out_dir, seed=0)
 
 
 def prepare_model(kind: str, work_dir: Path) -> Path:

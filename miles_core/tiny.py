@@ -62,10 +62,15 @@ def build_tiny_model(shape: "TinyModelConfig", out_dir: str | Path) -> Path:
         bos_token_id=None,
         torch_dtype="float32",
     )
-    torch.manual_seed(shape.seed)
+    return save_random_model(config, tokenizer, out_dir, shape.seed)
+
+
+def save_random_model(config: Qwen3Config, tokenizer, out_dir: str | Path, seed: int) -> Path:
+    """Randomly initialise `config` with `seed` and save it with its tokenizer as an HF dir."""
+    torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return Path(out_dir)
