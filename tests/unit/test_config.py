@@ -60,3 +60,63 @@ def test_hf_source_shape_and_sglang_needs_gpu():
         build_config({"rollout": {"engine": "sglang", "weight_transport": "broadcast"}})
     with pytest.raises(ConfigError, match="weight_transport=broadcast"):
         build_config({"rollout": {"engine": "sglang", "gpus_per_engine": 1}})
+
+
+# ---- Megatron section and `miles plan` on every recipe ----------------------------------------------
+# Recipes that describe a layout this build cannot run yet; `miles plan` must refuse them and say why.
+NEEDS_EXPERT_PARALLEL = {"qwen3-30b-a3b-async-moe.yaml"}
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_miles_plan_on_every_recipe(recipe):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["plan", str(REPO / "configs" / recipe)], terminal_width=200)
+    if recipe in NEEDS_EXPERT_PARALLEL:
+        assert result.exit_code == 2 and "expert_parallel_size=1" in result.output, result.output
+        return
+    assert result.exit_code == 0, result.output
+    for row in ("trainer parallelism", "bundle 0", "total per trainer GPU", "optimizer"):
+        assert row in result.output, row
+
+
+def test_tensor_parallel_layout_plans_one_bundle_per_trainer_rank():
+    from miles_core.placement import bundles, describe
+
+    cfg = build_config({}, ["training.backend=megatron", "training.megatron.tensor_parallel_size=4",
+                            "training.gpus_per_trainer=4", "training.cpus_per_trainer=16", "rollout.num_engines=2"])
+    assert cfg.training.world_size == 4
+    # gpus/cpus_per_trainer are totals: one GPU and 4 CPUs per rank, engines after them
+    assert bundles(cfg)[:4] == [{"CPU": 4.0, "GPU": 1.0}] * 4 and len(bundles(cfg)) == 6
+    rows = dict(describe(cfg))
+    assert "a group of 4 trainer actors" in rows["trainer parallelism"]
+    assert rows["bundle 3"].startswith("trainer rank 3") and rows["bundle 4"].startswith("engine rank 0")
+
+
+def test_megatron_layouts_not_implemented_say_how_to_fix():
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=1"):
+        build_config({}, ["training.megatron.pipeline_parallel_size=2"])
+    with pytest.raises(ConfigError, match="context_parallel_size=1"):
+        build_config({}, ["training.megatron.context_parallel_size=2"])
+    cfg = build_config({}, ["training.backend=megatron", "training.megatron.tensor_parallel_size=2"])
+    assert cfg.training.world_size == 2  # a trainer group of 2 ranks
+    with pytest.raises(ConfigError, match="expert_parallel_size=1"):
+        build_config({}, ["training.backend=megatron", "training.megatron.expert_parallel_size=2"])
+    assert build_config({}, ["training.megatron.tensor_parallel_size=2"]).training.world_size == 1  # fsdp2
+    with pytest.raises(ConfigError, match="gpus_per_trainer=2"):
+        build_config({}, ["training.backend=megatron", "training.megatron.tensor_parallel_size=2",
+                          "training.gpus_per_trainer=1"])
+    with pytest.raises(ConfigError, match="weight_transport=disk"):
+        build_config({}, ["training.backend=megatron", "rollout.weight_transport=broadcast"])
+
+
+def test_megatron_options_read_the_config_section():
+    pytest.importorskip("megatron.core")
+    from miles_core.training.megatron.trainer import MegatronOptions
+
+    cfg = build_config({}, ["training.backend=megatron", "training.megatron.recompute_activations=true",
+                            "training.megatron.logprob_chunk_tokens=512"])
+    opts = MegatronOptions.from_training(cfg.training)
+    assert (opts.tp, opts.pp, opts.ep, opts.recompute, opts.logprob_chunk_tokens) == (1, 1, 1, True, 512)

@@ -1,8 +1,4 @@
-"""Run configuration: one pydantic schema for every recipe, YAML + dotted overrides.
-
-Every field carries a docstring (shown by `miles plan` and in validation errors). Unknown
-fields are rejected so that a typo never silently falls back to a default.
-"""
+"""The run's schema: one section per concern, composed into RunConfig."""
 
 from __future__ import annotations
 
@@ -11,16 +7,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-
-class ConfigError(ValueError):
-    """A recipe that cannot run; the message names each bad field and how to fix it."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+from miles_core.config.algorithm import GROUP_ALGORITHMS, AlgorithmConfig
+from miles_core.config.base import Section
 
 
 class TinyModelConfig(Section):
@@ -153,9 +143,53 @@ class RolloutConfig(Section):
     """Ray GPUs reserved per engine actor (0 on CPU machines)."""
 
 
+class MegatronConfig(Section):
+    """Megatron-LM layout and memory options (used when training.backend is megatron)."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor-parallel ranks per model replica (must divide the attention and key/value heads)."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Pipeline stages; only 1 is implemented (the trainer and the converter run one stage)."""
+    context_parallel_size: int = Field(1, ge=1)
+    """Context-parallel ranks; only 1 is implemented (it needs TransformerEngine attention)."""
+    expert_parallel_size: int = Field(1, ge=1)
+    """Expert-parallel ranks of MoE models (must divide the number of experts)."""
+    recompute_activations: bool = False
+    """Full activation recomputation, one layer per checkpoint: keeps only each layer's input
+    alive and recomputes the rest in backward (~1/3 more compute, far less memory)."""
+    logprob_chunk_tokens: int | None = Field(None, ge=1)
+    """Tokens per chunk of the eager vocab-parallel log-prob pass (None: sized to keep ~256 MB
+    of fp32 logits alive); the compiled CUDA path reads the whole micro-batch at once."""
+    fused_swiglu: bool = False
+    """Megatron's fused SwiGLU (GPU only; ignored on CPU)."""
+    routing_replay: bool = False
+    """MoE routing replay (R3): the rollout engines return the experts each token was routed to
+    (`return_routed_experts`) and the trainer's forward passes (old/reference log-probs and the
+    update) use exactly those experts instead of recomputing top-k, so that train and rollout
+    log-probs agree. Only for MoE models (the trainer refuses a dense one); SGLang engines also
+    need rollout.server_args.enable_return_routed_experts: true."""
+
+    @model_validator(mode="after")
+    def _implemented_layouts(self) -> "MegatronConfig":
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("pipeline parallelism is not implemented yet: set "
+                             "training.megatron.pipeline_parallel_size=1")
+        if self.context_parallel_size != 1:
+            raise ValueError("context parallelism is not implemented yet (it needs TransformerEngine "
+                             "attention): set training.megatron.context_parallel_size=1")
+        return self
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks one model replica spans (tp * pp * ep)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.expert_parallel_size
+
+
 class TrainingConfig(Section):
     backend: Literal["fsdp2", "megatron"] = "fsdp2"
-    """Training backend: torch FSDP2 or Megatron-LM."""
+    """Training backend: torch FSDP2 or Megatron-LM (options in training.megatron)."""
+    megatron: MegatronConfig = MegatronConfig()
+    """Megatron-LM parallel layout and memory options; ignored by the fsdp2 backend."""
     num_steps: int = Field(40, ge=1)
     """RL steps (rollout -> train -> weight sync) in the run."""
     lr: float = Field(1e-3, gt=0)
@@ -175,113 +209,30 @@ class TrainingConfig(Section):
     num_threads: int = Field(2, ge=1)
     """torch intra-op threads of the trainer and engine processes on CPU."""
     cpus_per_trainer: float = Field(1.0, gt=0)
-    """Ray CPUs reserved by the trainer actor."""
+    """Ray CPUs reserved by the trainer, in all: a Megatron trainer group (tp * ep ranks) splits
+    them evenly over its rank actors."""
     gpus_per_trainer: float = Field(0.0, ge=0)
-    """Ray GPUs reserved by the trainer actor."""
-
-
-class CorrectionConfig(Section):
-    kind: Literal["none", "tis", "icepop", "mis"] = "none"
-    """Rollout/trainer mismatch correction: truncated IS (tis), IcePop (zero weight outside
-    [low, high]), or MIS/rejection sampling (mis, see level/mode). Metrics are always logged."""
-    level: Literal["token", "sequence", "geometric"] = "token"
-    """MIS ratio level: per token, per sequence (exp of the sum), or geometric (exp of the mean)."""
-    mode: Literal["truncate", "clip", "mask"] = "truncate"
-    """MIS weight mode: min(w, high), clamp(w, low, high), or w inside [low, high] else 0."""
-    low: float = Field(0.0, ge=0)
-    """Lower bound of the importance weight."""
-    high: float = Field(2.0, gt=0)
-    """Upper bound of the importance weight."""
-    veto_threshold: float | None = Field(None, gt=0)
-    """MIS veto: drop a whole sequence if any token ratio is below this."""
-
-
-ALGORITHMS = ("grpo", "gspo", "cispo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "opd", "sft")
-GROUP_ALGORITHMS = ("grpo", "gspo", "cispo", "reinforce_pp_baseline")
-KL_IN_REWARD_ALGORITHMS = ("ppo", "reinforce_pp", "reinforce_pp_baseline")
-
-
-class AlgorithmConfig(Section):
-    name: Literal["grpo", "gspo", "cispo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "opd", "sft"] = "grpo"
-    """Objective: grpo, gspo (sequence ratio), cispo, ppo (critic + GAE), reinforce_pp,
-    reinforce_pp_baseline, opd (on-policy distillation from algorithm.teacher_source), sft."""
-    normalize_std: bool = True
-    """Group advantages divided by the group std (False gives Dr.GRPO)."""
-    group_normalize: bool = True
-    """Subtract the group mean from rewards (False uses raw rewards as advantages)."""
-    eps_clip_low: float = Field(0.2, ge=0, lt=1)
-    """Lower PPO clip range: ratios below 1 - eps_clip_low are clipped."""
-    eps_clip_high: float = Field(0.28, ge=0)
-    """Upper PPO clip range (clip-higher): ratios above 1 + eps_clip_high are clipped."""
-    dual_clip_c: float | None = Field(None, gt=1)
-    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables."""
-    kl_loss_coef: float = Field(0.0, ge=0)
-    """Weight of the KL(actor || reference) loss term (GRPO style)."""
-    kl_in_reward_coef: float = Field(0.0, ge=0)
-    """beta of the KL penalty folded into token rewards (PPO / REINFORCE++ style)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator of both KL forms."""
-    ref_refresh_interval_steps: int = Field(0, ge=0)
-    """Copy the policy into the reference model every this many steps; 0 keeps the initial one."""
-    entropy_coef: float = Field(0.0, ge=0)
-    """Entropy bonus weight."""
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    """Reduction of token losses: mean over all tokens of the batch (default), mean of
-    per-sequence means, or mean of per-sequence sums over max_new_tokens (Dr.GRPO)."""
-    gamma: float = Field(1.0, ge=0, le=1)
-    """Discount of PPO/GAE and REINFORCE++ returns."""
-    lam: float = Field(1.0, ge=0, le=1)
-    """GAE lambda."""
-    critic: Literal["auto", "none", "value_head"] = "auto"
-    """Critic model: auto (a value head for ppo, none otherwise), none, or value_head."""
-    critic_lr: float = Field(1e-3, gt=0)
-    """Learning rate of the critic."""
-    value_clip: float = Field(0.2, gt=0)
-    """Value clipping range around the old values."""
-    critic_warmup_steps: int = Field(0, ge=0)
-    """First steps that train only the critic (policy frozen)."""
-    correction: CorrectionConfig = CorrectionConfig()
-    """Importance correction for rollout/trainer mismatch (needed when rollouts are off-policy)."""
-    opd_coef: float = Field(0.0, ge=0)
-    """On-policy distillation weight: A_t -= opd_coef * (logp_student - logp_teacher); set
-    automatically to 1.0 for name=opd when left at 0."""
-    teacher_source: str | None = None
-    """Teacher model for distillation: a model source like model.source, or `warmup` for the
-    SFT warm-up's result (the student then starts from model.source untouched)."""
-    old_logprob_source: Literal["trainer", "rollout"] = "trainer"
-    """Log-probs the PPO ratio is taken against: recomputed by the trainer before the update,
-    or the rollout engine's (the behaviour policy; an off-policy correction for async loops)."""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards are all equal, over-sample until full."""
-    max_sampling_rounds: int = Field(4, ge=1)
-    """Rollout rounds per step at most when dynamic sampling keeps too few groups."""
+    """Ray GPUs reserved by the trainer, in all: 0 on CPU, else one per Megatron rank (tp * ep)."""
 
     @property
-    def uses_critic(self) -> bool:
-        return self.critic == "value_head" or (self.critic == "auto" and self.name == "ppo")
-
-    @property
-    def effective_opd_coef(self) -> float:
-        return self.opd_coef or (1.0 if self.name == "opd" else 0.0)
+    def world_size(self) -> int:
+        """Trainer ranks (Ray actors): tp * pp * ep for Megatron (dp = 1), 1 for FSDP2."""
+        return self.megatron.model_parallel_size if self.backend == "megatron" else 1
 
     @model_validator(mode="after")
-    def _combinations(self) -> "AlgorithmConfig":
-        if self.kl_loss_coef > 0 and self.kl_in_reward_coef > 0:
-            raise ValueError("KL as a loss and KL in the reward are exclusive: set kl_loss_coef or "
-                             "kl_in_reward_coef to 0")
-        if self.kl_in_reward_coef > 0 and self.name not in KL_IN_REWARD_ALGORITHMS:
-            raise ValueError(f"kl_in_reward_coef applies to {KL_IN_REWARD_ALGORITHMS}; for {self.name} "
-                             "use kl_loss_coef")
-        if self.name == "ppo" and self.critic == "none":
-            raise ValueError("PPO needs a critic: set algorithm.critic=value_head (or auto)")
-        if self.name == "gspo" and self.correction.kind in ("tis", "icepop") or (
-                self.name == "gspo" and self.correction.kind == "mis" and self.correction.level == "token"):
-            raise ValueError("GSPO uses a sequence-level ratio: token-level corrections do not apply; set "
-                             "algorithm.correction.kind=mis with level=sequence or geometric")
-        if (self.name == "opd" or self.opd_coef > 0) and not self.teacher_source:
-            raise ValueError("distillation needs a teacher: set algorithm.teacher_source (a model source or 'warmup')")
-        if self.correction.low >= self.correction.high:
-            raise ValueError("algorithm.correction.low must be below correction.high")
+    def _one_gpu_per_rank(self) -> "TrainingConfig":
+        ranks = self.world_size
+        if self.backend == "megatron" and self.megatron.expert_parallel_size > 1:
+            # Accepting it would fail only at the first weight sync, after a training step.
+            raise ValueError("training.megatron.expert_parallel_size > 1 is not supported yet: the trainer cannot "
+                             "gather expert-parallel shards for weight sync and export; set "
+                             "training.megatron.expert_parallel_size=1 (tensor_parallel_size > 1 works)")
+        if ranks > 1 and self.gpus_per_trainer not in (0, ranks):
+            # Each rank is its own process on its own device; NCCL cannot put two ranks on one GPU,
+            # and a rank uses only one.
+            raise ValueError(f"training.megatron tensor x pipeline x expert parallel = {ranks} runs {ranks} trainer "
+                             f"ranks with one GPU each, but training.gpus_per_trainer={self.gpus_per_trainer:g}: "
+                             f"set training.gpus_per_trainer={ranks} (or 0 on CPU)")
         return self
 
 
@@ -299,6 +250,22 @@ class PlacementConfig(Section):
     """Extra (custom) Ray resources each engine bundle requires, e.g. {"rollout_node": 1}."""
     ready_timeout_seconds: float = Field(600.0, gt=0)
     """How long to wait for the cluster to fit the placement group before failing."""
+    driver: Literal["inline", "ray_job"] = "inline"
+    """Where the training driver runs: inline in the train task's process, or as a Ray Job on
+    the cluster (Jobs API at ray_jobs_address) that outlives the task's process; a retried
+    task re-attaches to the run's live job instead of starting a second driver."""
+    ray_jobs_address: str | None = None
+    """Ray Jobs API (dashboard) URL for driver=ray_job, e.g. `http://head:8265`; None uses
+    $RAY_API_SERVER_ADDRESS (`miles stack up` sets it)."""
+    job_python: str | None = None
+    """Python interpreter of the driver job on the cluster; None uses this process's
+    interpreter path (right for the local stack and for images that install the project
+    where the worker's image does)."""
+    job_stall_seconds: float = Field(1800.0, gt=0)
+    """A driver job that completes no RL step for this long (model loading included) is
+    stopped and the task fails with a retryable DriverStalled."""
+    job_poll_seconds: float = Field(2.0, gt=0)
+    """How often the train task polls the driver job's status, logs and progress."""
 
 
 class CheckpointConfig(Section):
@@ -306,6 +273,21 @@ class CheckpointConfig(Section):
     """Save a checkpoint every this many RL steps (and always after the last)."""
     keep_latest: int = Field(2, ge=1)
     """Complete checkpoints kept in the run directory; older ones are pruned."""
+    store_keep_latest: int = Field(3, ge=1)
+    """Complete checkpoints kept in the object store (runs/<run_key>/checkpoints/); older ones
+    are pruned after each upload, never the one latest.json points to."""
+    upload_part_megabytes: int = Field(64, ge=5)
+    """Part size (MiB) of multipart uploads to S3; files of at least twice this size go up in
+    parts (S3's minimum part is 5 MiB)."""
+    upload_attempts: int = Field(8, ge=1)
+    """Attempts per uploaded file (and per latest.json write) before the checkpoint's upload
+    fails; retries wait with exponential backoff and jitter."""
+    upload_backoff_seconds: float = Field(2.0, gt=0)
+    """Wait before the first upload retry; doubled on each further retry (capped at 60 s)."""
+    upload_timeout_seconds: float = Field(60.0, gt=0)
+    """Connect and read timeout of each object-store request, so a hung store cannot hang the run."""
+    upload_wait_seconds: float = Field(1800.0, gt=0)
+    """How long the train task waits at its end for queued checkpoint uploads to finish."""
 
 
 class EvalDatasetConfig(Section):
@@ -342,7 +324,15 @@ class EvalConfig(Section):
     datasets: list[EvalDatasetConfig] = []
     """Extra held-out datasets evaluated before and after training, besides data.eval_path."""
     interval_steps: int = Field(0, ge=0)
-    """Evaluate on the held-out set every this many RL steps during training; 0 disables."""
+    """Evaluate every dataset (held-out + eval.datasets) every this many RL steps during
+    training, logged as eval/periodic/<dataset>/pass_at_k at that step; 0 disables."""
+    periodic_engines: Literal["rollout", "dedicated"] = "rollout"
+    """Where periodic eval generates (eval.mode=local_engine): on the rollout engines, pausing
+    rollout while it runs, or on eval.num_dedicated_engines extra engines that get the step's
+    weights and evaluate in the background while training goes on."""
+    num_dedicated_engines: int = Field(1, ge=1)
+    """Engines started for periodic_engines=dedicated, each with the rollout engines' per-engine
+    CPUs/GPUs, scheduled outside the run's placement group."""
     mode: Literal["local_engine", "external_command"] = "local_engine"
     """Where evaluation generates: an engine built from the model directory, or an external command."""
     external_command: str | None = None
@@ -363,6 +353,9 @@ class TrackingConfig(Section):
     """Gate floor: held-out pass@1 the candidate must reach to become champion."""
     promote_min_improvement: float = 0.0
     """Gate margin: how much the candidate must beat the current champion's pass@1 by."""
+    system_metrics_interval_seconds: float = Field(10.0, ge=0)
+    """Sample MLflow system metrics (CPU, memory, disk, network, GPU) into the run every this
+    many seconds while training runs; 0 turns them off."""
 
 
 class StorageConfig(Section):
@@ -370,7 +363,18 @@ class StorageConfig(Section):
     """Local directory for caches, run directories, and the default MLflow/object store."""
     object_store_uri: str | None = None
     """Where checkpoints and exports are uploaded (`s3://bucket/prefix`, `file:///abs`, ...);
-    None means `file://<work_dir>/store`."""
+    None means $MILES_OBJECT_STORE_URI when set (the local stack's env file sets it), else
+    `file://<work_dir>/store`."""
+
+    @property
+    def work_path(self) -> Path:
+        """work_dir made absolute: its paths go to Ray actors and jobs whose working directory
+        is not this process's."""
+        return Path(self.work_dir).resolve()
+
+    def cache_dir(self, kind: str) -> Path:
+        """<work_dir>/cache/<kind> (models, data, warmup, megatron), absolute."""
+        return self.work_path / "cache" / kind
 
 
 class RunConfig(Section):
@@ -413,83 +417,33 @@ class RunConfig(Section):
         if self.rollout.engine == "sglang" and self.rollout.weight_transport == "object_store":
             raise ValueError("SGLang engines run in their own process: set rollout.weight_transport=broadcast "
                              "(or disk)")
+        self._routing_replay_fits()
         if self.rollout.engine == "sglang" and self.rollout.gpus_per_engine == 0:
             raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1")
+        if self.training.backend == "megatron" and self.rollout.weight_transport == "broadcast":
+            raise ValueError("the Megatron trainer has no broadcast sender yet: set rollout.weight_transport=disk "
+                             "(a filesystem trainer and engines share) or object_store (embedded engines)")
         return self
+
+    def _routing_replay_fits(self) -> None:
+        if not self.training.megatron.routing_replay:
+            return
+        if self.training.backend != "megatron":
+            raise ValueError("training.megatron.routing_replay replays experts in the Megatron trainer only: set "
+                             "training.backend=megatron or training.megatron.routing_replay=false")
+        if self.model.source.startswith("builtin:"):
+            raise ValueError(f"training.megatron.routing_replay needs an MoE model, but {self.model.source} is dense: "
+                             "set training.megatron.routing_replay=false (or model.source to a Qwen3-MoE model)")
+        if self.rollout.engine == "sglang" and not self.rollout.server_args.get("enable_return_routed_experts"):
+            raise ValueError("training.megatron.routing_replay needs the routed experts from SGLang: set "
+                             "rollout.server_args.enable_return_routed_experts=true")
+
+    @property
+    def routing_replay(self) -> bool:
+        """Whether engines are asked for routed experts and the trainer replays them."""
+        return self.training.megatron.routing_replay  # _routing_replay_fits: only with megatron
 
     def digest(self) -> str:
         """Stable hash of the resolved config (recorded in manifests and MLflow tags)."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
-    node = tree
-    *parents, leaf = dotted_key.split(".")
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {dotted_key}: '{part}' is a value, not a section")
-        node = child
-    node[leaf] = value
-
-
-def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """`a.b=1` -> ("a.b", 1); values are parsed as YAML scalars (numbers, bools, null, lists)."""
-    parsed = []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. training.lr=1e-4")
-        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else ""))
-    return parsed
-
-
-def _explain(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "<root>"
-        if err["type"] == "extra_forbidden":
-            lines.append(f"  {where}: unknown field; remove it or check the spelling (see `miles plan --fields`)")
-            continue
-        got = f" (got {err['input']!r})" if not isinstance(err.get("input"), dict) else ""
-        lines.append(f"  {where}: {err['msg']}{got}")
-    return "\n".join(lines)
-
-
-def build_config(tree: dict[str, Any], overrides: list[str] = (), source: str = "<dict>") -> RunConfig:
-    """Validate a config tree after applying dotted overrides."""
-    tree = json.loads(json.dumps(tree or {}))
-    for key, value in parse_overrides(list(overrides)):
-        _set_dotted(tree, key, value)
-    try:
-        return RunConfig.model_validate(tree)
-    except ValidationError as exc:
-        raise ConfigError(_explain(exc, source)) from None
-
-
-def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
-    """Read a YAML recipe, apply `--set` overrides, validate."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"config {path} must be a mapping of sections, got {type(tree).__name__}")
-    return build_config(tree, overrides, source=str(path))
-
-
-def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted name, default, docstring) for every leaf field: the config reference."""
-    rows = []
-    for name, info in model.model_fields.items():
-        dotted = f"{prefix}{name}"
-        annotation = info.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            rows.extend(field_docs(annotation, dotted + "."))
-        else:
-            rows.append((dotted, repr(info.default), " ".join((info.description or "").split())))
-    return rows

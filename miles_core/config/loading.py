@@ -1,0 +1,86 @@
+"""Reading recipes: YAML, dotted `--set` overrides, validation errors that say how to fix
+the input, and the field reference `miles plan --fields` prints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from miles_core.config.base import ConfigError
+from miles_core.config.schema import RunConfig
+
+
+def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted_key.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted_key}: '{part}' is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """`a.b=1` -> ("a.b", 1); values are parsed as YAML scalars (numbers, bools, null, lists)."""
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. training.lr=1e-4")
+        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else ""))
+    return parsed
+
+
+def _explain(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {where}: unknown field; remove it or check the spelling (see `miles plan --fields`)")
+            continue
+        got = f" (got {err['input']!r})" if not isinstance(err.get("input"), dict) else ""
+        lines.append(f"  {where}: {err['msg']}{got}")
+    return "\n".join(lines)
+
+
+def build_config(tree: dict[str, Any], overrides: list[str] = (), source: str = "<dict>") -> RunConfig:
+    """Validate a config tree after applying dotted overrides."""
+    tree = json.loads(json.dumps(tree or {}))
+    for key, value in parse_overrides(list(overrides)):
+        _set_dotted(tree, key, value)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML recipe, apply `--set` overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config {path} must be a mapping of sections, got {type(tree).__name__}")
+    return build_config(tree, overrides, source=str(path))
+
+
+def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, docstring) for every leaf field: the config reference."""
+    rows = []
+    for name, info in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.extend(field_docs(annotation, dotted + "."))
+        else:
+            rows.append((dotted, repr(info.default), " ".join((info.description or "").split())))
+    return rows
