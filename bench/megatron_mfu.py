@@ -1,21 +1,41 @@
 """Training throughput and MFU: Megatron backend (local spec, SDPA core attention) vs the
 FSDP2 / HF+SDPA path, same random Qwen3-0.6B-shaped model, same GPU, same run.
 
-    python bench/megatron_mfu.py [--batch 2 8] [--seq 2048] [--steps 10] [--warmup 3] [--layers 28]
+    python bench/megatron_mfu.py [--batch 8 16 24] [--seq 2048] [--steps 10] [--warmup 3] [--layers 28]
+                                 [--no-compile] [--static-shapes] [--sdpa {default,cudnn}] [--sweep]
+                                 [--profile] [--fused-adamw-row] [--out DIR] [--time-budget S]
 
 One step = forward + token log-probs of every next token (the trainers' loss path: Megatron
-through miles_core's chunked vocab-parallel cross entropy, HF through log_softmax of fp32
-logits as FSDPTrainer does) + backward + grad clip + AdamW. Parameters and optimizer state
-are bf16 on both sides. The two backends alternate per batch size. tokens/s counts
-batch * seq per step; MFU = 6 * params * tokens/s / 989e12 (H200 bf16 dense peak).
-Progress goes to stderr; the last stdout line is the JSON result. GPU only.
+through forward_logits + next_token_logprobs, HF through fsdp.causal_lm_logprobs, both the
+fused vocab-parallel log-prob of miles_core/training/megatron/logprobs.py, torch.compile'd on
+CUDA, over bf16 logits) + backward + grad clip + AdamW. Parameters and optimizer state are bf16
+on both sides. Decoder layers are torch.compile'd on both sides unless --no-compile (what
+MILES_TORCH_COMPILE=1 turns on in the trainers). As in the trainers, the first batch size
+compiles static graphs and the next one a batch-dynamic graph that later sizes reuse;
+--static-shapes compiles one static graph per size instead (faster kernels for Megatron, one
+compile per shape). The two backends alternate per batch size; a batch size that does not fit
+is reported as {"oom": true}.
+
+tokens/s counts batch * seq per step; MFU = 6 * params * tokens/s / 989e12 (H200 bf16 dense
+peak; params counts the tied embedding once). Attention's own matmul FLOPs are not in 6*params:
+they are reported apart as mfu_incl_attention, adding 6 * seq * heads * head_dim * layers per token
+(QK^T and PV, causal half, forward + backward).
+
+--sweep also measures the earlier configurations at the first batch size (eager layers;
+eager chunked log-probs; HF's log_softmax over fp32 logits) and times causal GQA SDPA alone
+per backend (flash, cuDNN, mem-efficient) and layout;
+--profile writes a torch.profiler kernel table of one step per configuration to --out and
+logs a breakdown by kernel kind. Progress goes to stderr; results go to --out/results.jsonl
+as they come; the last stdout line is the JSON summary. GPU only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,10 +59,11 @@ def build_hf(config, dtype):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    try:
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    except TypeError:  # older transformers
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation="sdpa")
+    with torch.device("cuda"):
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        except TypeError:  # older transformers
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation="sdpa")
     return model.cuda().train()
 
 
@@ -51,7 +72,7 @@ def build_megatron(config, hf_model, dtype, fused_swiglu: bool = False):
     from miles_core.training.megatron import mapping
     from miles_core.training.megatron.model import build_gpt_model, model_shape
 
-    model = build_gpt_model(config, 1, dtype=dtype, fused_swiglu=fused_swiglu).train()
+    model = build_gpt_model(config, 1, dtype=dtype, fused_swiglu=fused_swiglu, compile_layers=False).train()
     state = mapping.hf_to_megatron_rank({k: v.detach() for k, v in hf_model.state_dict().items()},
                                         model_shape(config, 1), 1, 0)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -59,6 +80,28 @@ def build_megatron(config, hf_model, dtype, fused_swiglu: bool = False):
     return model
 
 
+# ---- compile switches (reversible, so one process measures both) ----------------------------
+def set_megatron_compiled(model, on: bool) -> None:
+    from miles_core.training.megatron.model import compile_decoder_layers
+
+    if on:
+        compile_decoder_layers(model)
+    else:
+        for layer in model.decoder.layers:
+            layer._compiled_call_impl = None
+
+
+def set_hf_compiled(model, on: bool) -> None:
+    from miles_core.training.fsdp import compile_decoder_layers
+
+    if on:
+        compile_decoder_layers(model)
+    else:
+        for layer in model.model.layers:
+            layer.__dict__.pop("forward", None)
+
+
+# ---- steps ------------------------------------------------------------------------------------
 def megatron_step(model, optimizer, tokens, vocab_size: int):
     from miles_core.training.megatron.logprobs import clip_grad_norm, next_token_logprobs
     from miles_core.training.megatron.model import forward_logits
@@ -75,6 +118,21 @@ def megatron_step(model, optimizer, tokens, vocab_size: int):
 def hf_step(model, optimizer, tokens, vocab_size: int):
     import torch
 
+    from miles_core.training.fsdp import causal_lm_logprobs
+
+    logp, _ = causal_lm_logprobs(model, tokens, None, 1.0)
+    loss = -logp.mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def hf_step_log_softmax(model, optimizer, tokens, vocab_size: int):
+    """The FSDPTrainer loss path before the fused log-prob: log_softmax over fp32 logits."""
+    import torch
+
     logits = model(input_ids=tokens).logits[:, :-1]
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     loss = -logp.mean()
@@ -85,32 +143,302 @@ def hf_step(model, optimizer, tokens, vocab_size: int):
     return loss.detach()
 
 
+def sdpa_context(kind: str):
+    if kind == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True)
+
+
 def measure(step, model, optimizer, batch: int, seq: int, vocab: int, steps: int, warmup: int,
-            params: int) -> dict:
+            params: int, attn_flops_per_token: float, sdpa: str = "default") -> dict:
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
     tokens = torch.randint(0, vocab, (batch, seq), device="cuda", generator=gen)
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
-        for _ in range(warmup):
-            step(model, optimizer, tokens, vocab)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(steps):
-            loss = step(model, optimizer, tokens, vocab)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
+        with sdpa_context(sdpa):
+            started = time.perf_counter()
+            for _ in range(warmup):
+                step(model, optimizer, tokens, vocab)
+            torch.cuda.synchronize()
+            warm_s = time.perf_counter() - started
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                loss = step(model, optimizer, tokens, vocab)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
     except torch.cuda.OutOfMemoryError:
         optimizer.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
         return {"batch": batch, "oom": True}
-    tokens_per_s = batch * seq * steps / seconds
+    times.sort()
+    step_s = times[len(times) // 2]  # median step
+    tokens_per_s = batch * seq / step_s
     return {"batch": batch, "tokens_per_s": tokens_per_s, "mfu": 6 * params * tokens_per_s / PEAK_FLOPS,
-            "step_s": seconds / steps, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
-            "loss": float(loss)}
+            "mfu_incl_attention": (6 * params + attn_flops_per_token) * tokens_per_s / PEAK_FLOPS,
+            "step_s": step_s, "step_s_min": times[0], "step_s_max": times[-1], "warmup_s": warm_s,
+            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+
+
+# ---- profile ----------------------------------------------------------------------------------
+def _kind(name: str) -> str:
+    n = name.lower()
+    if "flash" in n or "fmha" in n or "attention" in n or "cudnn" in n and "sdpa" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas", "splitk")):
+        return "matmul"
+    if "nccl" in n:
+        return "nccl"
+    if n.startswith("triton") or "triton_" in n:
+        return "triton (compiled)"
+    if "multi_tensor" in n or "foreach" in n or "adam" in n:
+        return "optimizer (foreach)"
+    if "memcpy" in n or "memset" in n or "copy" in n or "fill" in n or "catarray" in n:
+        return "copy/fill/cat"
+    if "reduce" in n or "norm" in n or "softmax" in n:
+        return "reduction"
+    return "elementwise/other"
+
+
+def profile_step(step, model, optimizer, batch: int, seq: int, vocab: int, name: str, out: Path | None,
+                 sdpa: str = "default") -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens = torch.randint(0, vocab, (batch, seq), device="cuda")
+    with sdpa_context(sdpa):
+        step(model, optimizer, tokens, vocab)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(model, optimizer, tokens, vocab)
+            torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA and "#" not in evt.name \
+                and not evt.name.startswith("ProfilerStep"):  # annotations (Optimizer.step#...) overlap kernels
+            kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time_total / 1e3  # ms
+    total = sum(kernels.values())
+    kinds: dict[str, float] = {}
+    for k, ms in kernels.items():
+        kinds[_kind(k)] = kinds.get(_kind(k), 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    if out is not None:
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
+        (out / f"profile_{name}.txt").write_text(table)
+    summary = {"name": name, "batch": batch, "gpu_kernel_ms": total,
+               "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+               "top_kernels_ms": [[k[:110], ms] for k, ms in top[:12]]}
+    log(f"profile {name} batch {batch}: kernels {total:.1f} ms; by kind " +
+        ", ".join(f"{k} {v:.1f}" for k, v in summary["by_kind_ms"].items()))
+    for k, ms in top[:12]:
+        log(f"    {ms:8.2f} ms  {k[:110]}")
+    return summary
+
+
+def sdpa_probe(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int) -> list[dict]:
+    """fwd+bwd time of causal GQA SDPA per backend and layout (megatron's [s, b, h, d] permuted
+    view vs HF's [b, h, s, d]); a backend that refuses the inputs is reported as such."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    flops = 3 * 2 * batch * heads * seq * seq * head_dim  # fwd 2*b*h*s^2*d (causal half), bwd 2x
+    rows = []
+    for layout in ("megatron_view", "bhsd"):
+        def make(h):
+            if layout == "megatron_view":
+                return torch.randn(seq, batch, h, head_dim, device="cuda", dtype=torch.bfloat16).permute(1, 2, 0, 3)
+            return torch.randn(batch, h, seq, head_dim, device="cuda", dtype=torch.bfloat16)
+        q, k, v = make(heads), make(kv_heads), make(kv_heads)
+        for t in (q, k, v):
+            t.requires_grad_()
+        for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+            try:
+                with sdpa_kernel([getattr(SDPBackend, backend)]):
+                    def run():
+                        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                        o.backward(torch.ones_like(o))
+                    for _ in range(3):
+                        run()
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(10):
+                        run()
+                    torch.cuda.synchronize()
+                    ms = (time.perf_counter() - start) / 10 * 1e3
+                rows.append({"layout": layout, "backend": backend, "fwd_bwd_ms": ms, "tflops": flops / ms / 1e9})
+            except Exception as exc:  # noqa: BLE001 - a refused backend is a result
+                rows.append({"layout": layout, "backend": backend, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            log(f"sdpa {rows[-1]}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 16, 24])
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=QWEN3_06B_SHAPE["num_hidden_layers"])
+    parser.add_argument("--fused-swiglu", action="store_true", help="megatron's torch.compile'd SwiGLU")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager decoder layers")
+    parser.add_argument("--sdpa", choices=["default", "cudnn"], default="default",
+                        help="cudnn: prefer the cuDNN SDPA backend (falls back to flash)")
+    parser.add_argument("--sweep", action="store_true", help="also the earlier configurations, first batch size")
+    parser.add_argument("--profile", action="store_true", help="profile one step per configuration")
+    parser.add_argument("--out", type=Path, default=None, help="results.jsonl and profile tables here")
+    parser.add_argument("--static-shapes", action="store_true",
+                        help="compile one static graph per batch size (torch._dynamo automatic_dynamic_shapes off) "
+                             "instead of one batch-dynamic graph after the first size")
+    parser.add_argument("--fused-adamw-row", action="store_true",
+                        help="also both backends at the last batch size with AdamW(fused=True) (the trainers use "
+                             "the default, foreach)")
+    parser.add_argument("--time-budget", type=float, default=0, help="seconds; skip what would start later")
+    args = parser.parse_args(argv)
+    setup_env()
+    stub_ray_if_missing()
+    began = time.perf_counter()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/megatron_mfu.py needs a GPU")
+    import megatron.core
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    from miles_core.training.megatron.model import init_parallel, shutdown_parallel
+
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+
+    def record(entry: dict) -> None:
+        if args.out is not None:
+            with open(args.out / "results.jsonl", "a") as fh:
+                fh.write(json.dumps(rounded(entry)) + "\n")
+
+    def time_left() -> bool:
+        return not args.time_budget or time.perf_counter() - began < args.time_budget
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.static_shapes:
+        import torch._dynamo
+
+        torch._dynamo.config.automatic_dynamic_shapes = False
+    dtype = torch.bfloat16
+    created = init_parallel(1)  # nccl world of one: megatron's groups, and FSDP2's default group
+    config = hf_config(args.layers, args.seq)
+    vocab = config.vocab_size
+    hf_model = build_hf(config, dtype)
+    params = sum(p.numel() for p in hf_model.parameters())  # tied embedding counted once
+    attn_flops = 6 * args.seq * config.num_attention_heads * config.head_dim * args.layers
+    mg_model = build_megatron(config, hf_model, dtype, args.fused_swiglu)
+    agreement = logits_agreement(hf_model, mg_model, vocab)
+    log(f"params {params / 1e6:.1f}M; megatron vs HF logits max rel diff {agreement:.3g}; "
+        f"built in {time.perf_counter() - began:.0f} s")
+    probe = sdpa_probe(args.batch[0], args.seq, config.num_attention_heads, config.num_key_value_heads,
+                       config.head_dim) if args.sweep else []
+    for layer in hf_model.model.layers:  # the FSDP2 path as FSDPTrainer builds it
+        fully_shard(layer)
+    fully_shard(hf_model)
+    optimizers = {"megatron": torch.optim.AdamW(mg_model.parameters(), lr=1e-5),
+                  "fsdp2_hf": torch.optim.AdamW(hf_model.parameters(), lr=1e-5)}
+    models = {"megatron": mg_model, "fsdp2_hf": hf_model}
+    setters = {"megatron": set_megatron_compiled, "fsdp2_hf": set_hf_compiled}
+    steps = {"megatron": megatron_step, "fsdp2_hf": hf_step}
+    profiles, sweep = [], []
+
+    def configure(name: str, compiled: bool, compiled_logprobs: bool = True) -> None:
+        setters[name](models[name], compiled)
+        os.environ["MILES_COMPILE_LOGPROBS"] = "1" if compiled_logprobs else "0"
+
+    def run_one(label: str, name: str, step, batch: int, sdpa: str = "default", prof: bool = False) -> dict:
+        result = measure(step, models[name], optimizers[name], batch, args.seq, vocab, args.steps, args.warmup,
+                         params, attn_flops, sdpa)
+        result = {"config": label, "backend": name, **result}
+        log(f"{label}: {rounded(result, 3)}")
+        record(result)
+        if prof and not result.get("oom"):
+            profiles.append(profile_step(step, models[name], optimizers[name], batch, args.seq, vocab, label,
+                                         args.out, sdpa))
+            record({"profile": profiles[-1]})
+        return result
+
+    if args.sweep:  # earlier configurations at the first batch size, eager layers first
+        b = args.batch[0]
+        for label, name, step, compiled_lp in (
+                ("megatron eager layers, eager chunked log-probs", "megatron", megatron_step, False),
+                ("megatron eager layers, compiled log-probs", "megatron", megatron_step, True),
+                ("fsdp2 eager layers, log_softmax fp32 logits", "fsdp2_hf", hf_step_log_softmax, True),
+                ("fsdp2 eager layers, compiled log-probs", "fsdp2_hf", hf_step, True)):
+            if time_left():
+                configure(name, False, compiled_lp)
+                sweep.append(run_one(label, name, step, b, prof=args.profile and "compiled log" not in label))
+    results: dict[str, list[dict]] = {name: [] for name in models}
+    for name in models:
+        configure(name, args.compile, True)
+    for i, batch in enumerate(args.batch):
+        for name in models:
+            if not time_left():
+                log(f"time budget spent: {name} batch {batch} skipped")
+                continue
+            label = f"{name} {'compiled' if args.compile else 'eager'} layers, sdpa {args.sdpa}"
+            results[name].append(run_one(label, name, steps[name], batch, args.sdpa, prof=args.profile and i == 0))
+
+    if args.fused_adamw_row:
+        for name in models:
+            ok = [r for r in results[name] if not r.get("oom")]
+            if ok and time_left():
+                optimizers[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-5, fused=True)
+                sweep.append(run_one(f"{name} {'compiled' if args.compile else 'eager'} layers, AdamW fused=True",
+                                     name, steps[name], ok[-1]["batch"], args.sdpa))
+
+    def best(name: str) -> dict | None:
+        ok = [r for r in results[name] if not r.get("oom")]
+        return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
+
+    same_batch = {}
+    for mg, hf in zip(results["megatron"], results["fsdp2_hf"]):
+        if not mg.get("oom") and not hf.get("oom"):
+            same_batch[str(mg["batch"])] = mg["tokens_per_s"] / hf["tokens_per_s"]
+    best_mg, best_hf = best("megatron"), best("fsdp2_hf")
+    try:
+        from torch._dynamo.utils import counters
+        graphs = int(counters["stats"]["unique_graphs"])
+        breaks = {k[:160]: v for k, v in counters["graph_break"].items()}
+    except Exception:  # noqa: BLE001
+        graphs, breaks = None, None
+    summary = {
+        "bench": "megatron_mfu", "device": torch.cuda.get_device_name(), "params": params, "seq": args.seq,
+        "layers": args.layers, "steps": args.steps, "dtype": "bfloat16", "peak_flops": PEAK_FLOPS,
+        "attn_flops_per_token": attn_flops, "compiled_layers": args.compile, "static_shapes": args.static_shapes,
+        "sdpa": args.sdpa,
+        "fused_swiglu": args.fused_swiglu, "dynamo_graphs": graphs, "dynamo_graph_breaks": breaks,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "megatron_core": megatron.core.__version__},
+        "logits_max_rel_diff": agreement,
+        "megatron": {"best": best_mg, "runs": results["megatron"]},
+        "fsdp2_hf": {"best": best_hf, "runs": results["fsdp2_hf"]},
+        "ratio_megatron_over_fsdp2_same_batch": same_batch,
+        "ratio_megatron_over_fsdp2_best": (best_mg["tokens_per_s"] / best_hf["tokens_per_s"]
+                                           if best_mg and best_hf else None),
+        "sweep": sweep, "sdpa_probe": probe, "profiles": profiles,
+        "wall_s": time.perf_counter() - began,
+    }
+    shutdown_parallel(created)
+    log("summary: " + " | ".join(
+        f"{r['config']} b{r['batch']}: " + ("OOM" if r.get("oom") else
+                                            f"{r['tokens_per_s']:.0f} tok/s MFU {100 * r['mfu']:.1f}% "
+                                            f"(+attn {100 * r['mfu_incl_attention']:.1f}%)")
+        for r in sweep + results["megatron"] + results["fsdp2_hf"]))
+    print(json.dumps(rounded(summary)), flush=True)
+    return summary
 
 
 def logits_agreement(hf_model, mg_model, vocab: int) -> float:
@@ -123,77 +451,6 @@ def logits_agreement(hf_model, mg_model, vocab: int) -> float:
         a = hf_model(input_ids=tokens).logits.float()
         b = forward_logits(mg_model, tokens)[..., :vocab].float()
     return float((a - b).abs().max() / a.abs().max())
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=QWEN3_06B_SHAPE["num_hidden_layers"])
-    parser.add_argument("--fused-swiglu", action="store_true", help="megatron's torch.compile'd SwiGLU")
-    args = parser.parse_args(argv)
-    setup_env()
-    stub_ray_if_missing()
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/megatron_mfu.py needs a GPU")
-    import megatron.core
-    import transformers
-    from torch.distributed.fsdp import fully_shard
-
-    from miles_core.training.megatron.model import init_parallel, shutdown_parallel
-
-    torch.backends.cuda.matmul.allow_tf32 = True
-    dtype = torch.bfloat16
-    created = init_parallel(1)  # nccl world of one: megatron's groups, and FSDP2's default group
-    config = hf_config(args.layers, args.seq)
-    vocab = config.vocab_size
-    hf_model = build_hf(config, dtype)
-    params = sum(p.numel() for p in hf_model.parameters())  # tied embedding counted once
-    mg_model = build_megatron(config, hf_model, dtype, args.fused_swiglu)
-    agreement = logits_agreement(hf_model, mg_model, vocab)
-    log(f"params {params / 1e6:.1f}M; megatron vs HF logits max rel diff {agreement:.3g}")
-    for layer in hf_model.model.layers:  # the FSDP2 path as FSDPTrainer builds it
-        fully_shard(layer)
-    fully_shard(hf_model)
-    optimizers = {"megatron": torch.optim.AdamW(mg_model.parameters(), lr=1e-5),
-                  "fsdp2_hf": torch.optim.AdamW(hf_model.parameters(), lr=1e-5)}
-    runs = {"megatron": (megatron_step, mg_model), "fsdp2_hf": (hf_step, hf_model)}
-    results: dict[str, list[dict]] = {name: [] for name in runs}
-    for batch in args.batch:
-        for name, (step, model) in runs.items():
-            result = measure(step, model, optimizers[name], batch, args.seq, vocab, args.steps, args.warmup, params)
-            log(f"{name} batch {batch}: {result}")
-            results[name].append(result)
-
-    def best(name: str) -> dict | None:
-        ok = [r for r in results[name] if not r.get("oom")]
-        return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
-
-    same_batch = {}
-    for mg, hf in zip(results["megatron"], results["fsdp2_hf"]):
-        if not mg.get("oom") and not hf.get("oom"):
-            same_batch[str(mg["batch"])] = mg["tokens_per_s"] / hf["tokens_per_s"]
-    best_mg, best_hf = best("megatron"), best("fsdp2_hf")
-    summary = {
-        "bench": "megatron_mfu", "device": torch.cuda.get_device_name(), "params": params, "seq": args.seq,
-        "layers": args.layers, "steps": args.steps, "dtype": "bfloat16", "peak_flops": PEAK_FLOPS,
-        "fused_swiglu": args.fused_swiglu,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "megatron_core": megatron.core.__version__},
-        "logits_max_rel_diff": agreement,
-        "megatron": {"best": best_mg, "runs": results["megatron"]},
-        "fsdp2_hf": {"best": best_hf, "runs": results["fsdp2_hf"]},
-        "ratio_megatron_over_fsdp2_same_batch": same_batch,
-        "ratio_megatron_over_fsdp2_best": (best_mg["tokens_per_s"] / best_hf["tokens_per_s"]
-                                           if best_mg and best_hf else None),
-    }
-    shutdown_parallel(created)
-    print(json.dumps(rounded(summary)), flush=True)
-    return summary
 
 
 if __name__ == "__main__":

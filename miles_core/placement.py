@@ -1,4 +1,7 @@
-"""Ray placement: one placement group, bundle 0 = trainer, bundles 1..N = engines (rank order).
+"""Ray placement: one placement group, bundles 0..W-1 = trainer ranks, then engines (rank order).
+
+W is the trainer's world size (training.world_size): 1 for FSDP2 and a tp = ep = 1 Megatron
+trainer, tp * pp * ep for a Megatron trainer group (one actor per rank, see trainer_group.py).
 
 Deterministic mapping means a restarted engine lands in its own bundle again, and `miles
 plan` can print exactly what the cluster will be asked for.
@@ -13,11 +16,13 @@ from miles_core.config import RunConfig
 
 def bundles(cfg: RunConfig) -> list[dict[str, float]]:
     t, r, p = cfg.training, cfg.rollout, cfg.placement
-    trainer = {"CPU": t.cpus_per_trainer, **({"GPU": t.gpus_per_trainer} if t.gpus_per_trainer else {}),
-               **p.trainer_resources}
+    ranks = t.world_size
+    # cpus/gpus_per_trainer are the trainer's totals (what infra sizes nodes by): split over ranks
+    trainer = {"CPU": t.cpus_per_trainer / ranks,
+               **({"GPU": t.gpus_per_trainer / ranks} if t.gpus_per_trainer else {}), **p.trainer_resources}
     engine = {"CPU": r.cpus_per_engine, **({"GPU": r.gpus_per_engine} if r.gpus_per_engine else {}),
               **p.engine_resources}
-    return [trainer] + [dict(engine) for _ in range(r.num_engines)]
+    return [dict(trainer) for _ in range(ranks)] + [dict(engine) for _ in range(r.num_engines)]
 
 
 def strategy(cfg: RunConfig) -> str:
@@ -25,10 +30,19 @@ def strategy(cfg: RunConfig) -> str:
 
 
 def describe(cfg: RunConfig) -> list[tuple[str, str]]:
-    """(bundle, role and resources) rows for `miles plan`."""
-    rows = []
+    """(trainer parallelism) and (bundle, role and resources) rows for `miles plan`."""
+    t = cfg.training
+    if t.backend == "megatron":
+        m = t.megatron
+        actors = "one trainer actor" if t.world_size == 1 else f"a group of {t.world_size} trainer actors"
+        parallel = (f"megatron tp={m.tensor_parallel_size} pp={m.pipeline_parallel_size} "
+                    f"cp={m.context_parallel_size} ep={m.expert_parallel_size} dp=1 ({actors}), "
+                    f"recompute {'on' if m.recompute_activations else 'off'}")
+    else:
+        parallel = "fsdp2, one rank (one trainer actor, nothing sharded)"
+    rows, ranks = [("trainer parallelism", parallel)], t.world_size
     for index, bundle in enumerate(bundles(cfg)):
-        role = "trainer rank 0" if index == 0 else f"engine rank {index - 1}"
+        role = f"trainer rank {index}" if index < ranks else f"engine rank {index - ranks}"
         rows.append((f"bundle {index}", f"{role}: " + ", ".join(f"{k}={v:g}" for k, v in bundle.items())))
     return rows
 
@@ -40,6 +54,7 @@ class Placement:
         import ray
         from ray.util.placement_group import placement_group
 
+        self.trainer_ranks = cfg.training.world_size
         self.pg = placement_group(bundles(cfg), strategy=strategy(cfg), name="")
         try:
             ray.get(self.pg.ready(), timeout=cfg.placement.ready_timeout_seconds)
@@ -57,7 +72,7 @@ class Placement:
         return self._option(rank)
 
     def engine(self, rank: int) -> dict[str, Any]:
-        return self._option(1 + rank)
+        return self._option(self.trainer_ranks + rank)
 
     def release(self) -> None:
         from ray.util.placement_group import remove_placement_group

@@ -1,8 +1,9 @@
 """The embedded rollout engine: transformers generation behind SGLang's request/response shape.
 
 `generate` takes what SGLang's `POST /generate` takes (token ids, sampling_params,
-return_logprob) and returns what it returns (output_ids, meta_info with
-output_token_logprobs, finish_reason and weight_version), so callers are engine-agnostic.
+return_logprob, return_routed_experts) and returns what it returns (output_ids, meta_info with
+output_token_logprobs, finish_reason, weight_version and routed_experts), so callers are
+engine-agnostic.
 """
 
 from __future__ import annotations
@@ -63,13 +64,21 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
-                 return_logprob: bool = True, seed: int | None = None) -> list[dict[str, Any]]:
+                 return_logprob: bool = True, seed: int | None = None,
+                 return_routed_experts: bool = False) -> list[dict[str, Any]]:
+        """return_routed_experts (MoE models): meta_info.routed_experts is a nested list
+        [len(prompt) + len(output) - 1, num_layers, top_k] of expert ids, SGLang's layout."""
         if seed is not None:
             torch.manual_seed(seed)
         outputs = []
         for start in range(0, len(input_ids), self.max_batch_size):
-            outputs.extend(self._generate_batch(input_ids[start : start + self.max_batch_size], sampling_params,
-                                                return_logprob))
+            chunk = input_ids[start : start + self.max_batch_size]
+            outs = self._generate_batch(chunk, sampling_params, return_logprob)
+            if return_routed_experts:
+                experts = self.routed_experts([ids + out["output_ids"] for ids, out in zip(chunk, outs)])
+                for out, routed in zip(outs, experts):
+                    out["meta_info"]["routed_experts"] = routed.tolist()
+            outputs.extend(outs)
         return outputs
 
     def _generate_batch(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
@@ -116,13 +125,59 @@ class EmbeddedEngine:
                           .gather(-1, seq[:, prompt_width:, None]).squeeze(-1))
         return torch.cat(pieces)
 
+    def _expert_gates(self) -> list[torch.nn.Module]:
+        """The router of every decoder layer, in layer order (Qwen3-MoE: layers[i].mlp.gate)."""
+        gates = [getattr(layer.mlp, "gate", None) for layer in self.model.model.layers]
+        if not gates or any(g is None for g in gates) or not getattr(self.model.config, "num_experts", None):
+            raise ValueError(f"return_routed_experts needs an MoE model with a router in every layer; "
+                             f"{type(self.model).__name__} has none")
+        return gates
+
+    def _topk_experts(self, gate_output) -> torch.Tensor:
+        # transformers >= 5 routers return (logits, weights, indices): take HF's own choice;
+        # older ones return logits and the MoE block does softmax then top-k, as here.
+        if isinstance(gate_output, tuple):
+            return gate_output[2]
+        probs = torch.softmax(gate_output, dim=-1, dtype=torch.float)
+        return torch.topk(probs, self.model.config.num_experts_per_tok, dim=-1).indices
+
+    @torch.no_grad()
+    def routed_experts(self, sequences: list[list[int]], rows_per_pass: int = 16) -> list[torch.Tensor]:
+        """Expert ids [len(seq) - 1, num_layers, top_k] per sequence, from a teacher-forced pass
+        with hooks on the routers. Right padding keeps positions 0..n-1 of each real token, as
+        in the trainer's forward, and the causal mask keeps pads out of the real tokens."""
+        gates, captured = self._expert_gates(), []
+        hooks = [g.register_forward_hook(lambda _m, _i, out: captured.append(self._topk_experts(out)))
+                 for g in gates]
+        routed = []
+        try:
+            for start in range(0, len(sequences), rows_per_pass):
+                rows = sequences[start : start + rows_per_pass]
+                batch, attention = self._right_pad(rows)
+                captured.clear()
+                self.model(input_ids=batch, attention_mask=attention)
+                per_layer = torch.stack([c.reshape(*batch.shape, -1) for c in captured], dim=2)  # [b, s, L, k]
+                routed.extend(per_layer[row, : len(ids) - 1].to(torch.int32).cpu() for row, ids in enumerate(rows))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return routed
+
     def _left_pad(self, input_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._pad(input_ids, left=True)
+
+    def _right_pad(self, input_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._pad(input_ids, left=False)
+
+    def _pad(self, input_ids: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token batch and attention mask; generation pads left, teacher-forced passes right."""
         width = max(len(ids) for ids in input_ids)
         batch = torch.full((len(input_ids), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros_like(batch)
         for row, ids in enumerate(input_ids):
-            batch[row, width - len(ids):] = torch.tensor(ids)
-            attention[row, width - len(ids):] = 1
+            cols = slice(width - len(ids), width) if left else slice(0, len(ids))
+            batch[row, cols] = torch.tensor(ids)
+            attention[row, cols] = 1
         return batch.to(self.device), attention.to(self.device)
 
     def _response(self, row: int, tokens: torch.Tensor, logprobs, prompt_len: int, max_new: int) -> dict:

@@ -79,8 +79,9 @@ class EngineGroup:
         return self.actor_cls.options(name=None, **self.scheduling(rank)).remote(
             self.model_dir, self.cfg.model.dtype, self.cfg.training.num_threads, r.bind_host, r.engine, r.server_args)
 
-    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any]) -> list[dict]:
-        return self.router.generate(input_ids, sampling_params, return_logprob=True)
+    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any], **extra: Any) -> list[dict]:
+        """extra: further /generate request fields, e.g. return_routed_experts=True."""
+        return self.router.generate(input_ids, sampling_params, return_logprob=True, **extra)
 
     @property
     def num_healthy(self) -> int:

@@ -154,7 +154,8 @@ class EngineService:
                     outs = [self._empty(p, {"type": "length", "length": 0}) for p in prompts]
                 else:
                     outs = self.engine.generate(prompts, params, return_logprob=want_logprob,
-                                                seed=params.get("sampling_seed"))
+                                                seed=params.get("sampling_seed"),
+                                                return_routed_experts=bool(body.get("return_routed_experts")))
                 if want_logprob and start is not None and int(start) >= 0:
                     for out, prompt in zip(outs, prompts):
                         out["meta_info"]["input_token_logprobs"] = self._score(prompt, int(start))

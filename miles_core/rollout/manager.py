@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 from miles_core.config import RolloutConfig
 from miles_core.data import Prompt, Sample
@@ -14,8 +17,11 @@ class RolloutManager:
     """Splits whole groups into one request per healthy engine (big batches are what make
     generation fast), sends them concurrently through the router, scores the responses."""
 
-    def __init__(self, engines: Any, rollout: RolloutConfig, reward: str):
+    def __init__(self, engines: Any, rollout: RolloutConfig, reward: str, return_routed_experts: bool = False):
+        """return_routed_experts: ask the engines for each token's experts (MoE routing replay)."""
         self.engines, self.rollout, self.score = engines, rollout, get_reward(reward)
+        # only sent when wanted: engines started without routed-expert support reject the flag
+        self.request_extra = {"return_routed_experts": True} if return_routed_experts else {}
         self.pool = ThreadPoolExecutor(max_workers=max(2, 2 * rollout.num_engines), thread_name_prefix="rollout")
 
     def sampling_params(self, seed: int) -> dict[str, Any]:
@@ -28,7 +34,8 @@ class RolloutManager:
         num_shards = max(1, min(len(prompts), self.engines.num_healthy))
         shards = [prompts[i::num_shards] for i in range(num_shards)]
         futures = [self.pool.submit(self.engines.generate, [p.input_ids for p in shard for _ in range(n)],
-                                    self.sampling_params(seed + i)) for i, shard in enumerate(shards)]
+                                    self.sampling_params(seed + i), **self.request_extra)
+                   for i, shard in enumerate(shards)]
         by_position: dict[int, list[Sample]] = {}
         for i, (shard, future) in enumerate(zip(shards, futures)):
             outputs = future.result()
@@ -42,4 +49,28 @@ class RolloutManager:
         return Sample(prompt_index=prompt.index, prompt_ids=prompt.input_ids, response_ids=list(out["output_ids"]),
                       label=prompt.label, response_text=out["text"], rollout_logprobs=logprobs,
                       reward=self.score(out["text"], prompt.label), weight_version=str(meta["weight_version"]),
-                      finish_reason=meta["finish_reason"]["type"])
+                      finish_reason=meta["finish_reason"]["type"],
+                      routed_experts=self._routed_experts(prompt, out))
+
+    def _routed_experts(self, prompt: Prompt, out: dict[str, Any]) -> np.ndarray | None:
+        if not self.request_extra:
+            return None
+        value = out["meta_info"].get("routed_experts")
+        if value is None:  # e.g. an aborted request; the trainer refuses to replay such a sample
+            return None
+        return decode_routed_experts(value, len(prompt.input_ids) + len(out["output_ids"]) - 1)
+
+
+def decode_routed_experts(value: Any, num_positions: int) -> np.ndarray:
+    """meta_info.routed_experts as int32 [num_positions, ...]: SGLang sends base64 of a flat int32
+    buffer (shape [num_positions, num_layers * top_k] here: the layer count is not in the
+    response), the embedded engine a nested list [num_positions, num_layers, top_k]."""
+    if isinstance(value, str):
+        flat = np.frombuffer(base64.b64decode(value), dtype=np.int32)
+        if num_positions <= 0 or flat.size % num_positions:
+            raise ValueError(f"routed_experts holds {flat.size} ids, not a multiple of {num_positions} positions")
+        return flat.reshape(num_positions, -1).copy()
+    array = np.asarray(value, dtype=np.int32)
+    if len(array) != num_positions:
+        raise ValueError(f"routed_experts covers {len(array)} positions, expected {num_positions}")
+    return array

@@ -64,10 +64,56 @@ def pad_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def _shard(model: torch.nn.Module) -> torch.nn.Module:
+    if _compile_requested():
+        compile_decoder_layers(model)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def _right_padded(attention: torch.Tensor | None) -> bool:
+    """True when every row's mask is ones then zeros (what pad_batch makes): the causal mask
+    alone is then exact for every real token, so attention can run without an explicit mask
+    (SDPA's flash kernel, no [B, 1, L, L] mask)."""
+    if attention is None:
+        return True
+    return bool((attention[:, 1:] <= attention[:, :-1]).all()) and bool((attention[:, 0] > 0).all())
+
+
+def causal_lm_logprobs(model, tokens: torch.Tensor, attention: torch.Tensor | None, temperature: float = 1.0,
+                       with_entropy: bool = False):
+    """log p(tokens[:, t+1] | ..t) [B, L-1] (and entropy, or None) of an HF causal LM.
+
+    The logits stay in the model's dtype: one fused pass reduces them to per-token log-sum-exp
+    (miles_core.training.megatron.logprobs.token_logprobs, world size 1; torch.compile'd on CUDA)
+    instead of log_softmax over an fp32 copy. The same numbers as log_softmax(logits / T).
+    """
+    from miles_core.training.megatron.logprobs import token_logprobs
+
+    mask = None if _right_padded(attention) else attention
+    logits = model(input_ids=tokens, attention_mask=mask, use_cache=False).logits
+    # all L positions (slicing off the last would copy the logits); the last gets a dummy target
+    targets = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
+    logp, entropy = token_logprobs(logits, targets, temperature, logits.shape[-1], with_entropy)
+    return logp[:, :-1], (entropy[:, :-1] if entropy is not None else None)
+
+
+def compile_decoder_layers(model: torch.nn.Module, layers=None) -> int:
+    """torch.compile each decoder layer's forward (before fully_shard: FSDP2's hooks stay
+    eager, around the compiled forward; state-dict names are unchanged). Returns the count."""
+    import torch._dynamo
+
+    layers = list(model.model.layers if layers is None else layers)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(layers) + 8)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)
+
+
+def _compile_requested() -> bool:
+    """MILES_TORCH_COMPILE=1: compiled decoder layers (GPU only)."""
+    return os.environ.get("MILES_TORCH_COMPILE", "0") == "1" and torch.cuda.is_available()
 
 
 def _select(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
@@ -119,10 +165,7 @@ class FSDPTrainer:
 
     # ---- forward pieces -------------------------------------------------------------------
     def _token_logprobs(self, model, batch: dict[str, torch.Tensor], with_entropy: bool = False):
-        logits = model(input_ids=batch["tokens"], attention_mask=batch["attention"]).logits[:, :-1]
-        logits = logits.float() / self.temperature
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, batch["tokens"][:, 1:, None]).squeeze(-1)
-        return logp, (algo.entropy_from_logits(logits) if with_entropy else None)
+        return causal_lm_logprobs(model, batch["tokens"], batch["attention"], self.temperature, with_entropy)
 
     def _values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # The value at position t scores the state that predicts token t+1 (next-token layout).

@@ -94,6 +94,28 @@ def test_trainer_learns_and_resumes_on_gpu(tiny, tmp_path):
         trainer.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_logprobs_match_eager_on_gpu(dtype, monkeypatch):
+    """The torch.compile'd fused log-prob (CUDA) against the eager chunked path: values and grads."""
+    from miles_core.training.megatron.logprobs import token_logprobs
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(3, 37, 640, device="cuda", generator=gen).to(dtype).requires_grad_()
+    targets = torch.randint(0, 600, (3, 37), device="cuda", generator=gen)
+    weights = torch.rand(2, 3, 37, device="cuda", generator=gen)
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("MILES_COMPILE_LOGPROBS", mode)
+        logits.grad = None
+        logp, entropy = token_logprobs(logits, targets, 0.8, 600, with_entropy=True,
+                                       chunk_tokens=16 if mode == "0" else None)
+        ((logp * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+        out[mode] = (logp.detach(), entropy.detach(), logits.grad.float().clone())
+    for a, b in zip(out["0"], out["1"]):
+        assert torch.allclose(a, b, atol=2e-3 if dtype == torch.bfloat16 else 1e-5, rtol=1e-3), (a - b).abs().max()
+    assert out["1"][2][..., 600:].abs().max() == 0
+
+
 def test_mfu_bench_runs_small():
     sys.path.insert(0, str(REPO / "bench"))
     import megatron_mfu
@@ -106,3 +128,33 @@ def test_mfu_bench_runs_small():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider", "-o", "addopts="]))
+
+
+def test_routing_replay_uses_the_engine_experts_on_gpu(tmp_path_factory):
+    """R3 on CUDA (bf16 autocast, nccl, the GPU's megatron-core): Megatron's routers use exactly
+    the experts the embedded engine recorded, while free routing with perturbed routers differs."""
+    from miles_core.rollout.engine import EmbeddedEngine
+    from tests.integration import test_routing_replay as r3
+
+    dirs = r3.dirs.__wrapped__(tmp_path_factory)
+    engine = EmbeddedEngine(str(dirs["moe"]), num_threads=1, static_cache=False)
+    samples = r3._rollout_samples(engine, as_sglang=True)
+    expected, real = r3._expected_maps(samples)
+    trainer = r3._trainer(dirs["moe"])
+    try:
+        r3._perturb_routers(trainer)
+        recorder = r3._RoutingMaps(trainer.model)
+        replayed = r3._max_diff(trainer.compute_logprobs(samples), samples)
+        used_with_replay = [m.cpu() for m in recorder.maps]
+        trainer.opts.routing_replay = False
+        recorder.maps.clear()
+        free = r3._max_diff(trainer.compute_logprobs(samples), samples)
+        used_free = [m.cpu() for m in recorder.maps]
+        recorder.close()
+    finally:
+        trainer.close()
+    print(f"GPU max |train - rollout| logprob with replay {replayed:.3e}, without {free:.3e}")
+    for layer in range(r3.NUM_LAYERS):
+        assert torch.equal(used_with_replay[layer][real], expected[layer][real]), layer
+    assert any((used_free[layer][real] != expected[layer][real]).any() for layer in range(r3.NUM_LAYERS))
+    assert replayed < free

@@ -1,41 +1,108 @@
 """Token log-probs and entropy from vocab-parallel logits, without full fp32 logits.
 
-Logits arrive as this TP rank's vocab slice [N, V/tp] in the model dtype. A custom autograd
-function walks them in chunks of tokens: each chunk is upcast to fp32, divided by the
-temperature, its padded-vocab columns masked, and reduced over the vocabulary (max, sum of
-exp, target logit, sum p*x: all-reduced over TP) to per-token log-sum-exp, log p(target) and,
-optionally, entropy. Only those per-token fp32 vectors are saved; backward recomputes the
-softmax of one chunk at a time and writes the logits' gradient
-``g_logp (onehot - p) / T - g_H p (x - E_p[x]) / T`` in the logits' dtype. At most one chunk
-of fp32 logits (``CHUNK_ELEMENTS``) is alive at a time, in forward and in backward. This is
-the same quantity as megatron's ``vocab_parallel_cross_entropy`` (-log p of the target), with
-the entropy fused in and fewer passes over the logits.
+Logits arrive as this TP rank's vocab slice [N, V/tp] in the model dtype (any float dtype;
+world size 1 and no megatron at all works too, which is how the FSDP2 trainer uses it). A
+custom autograd function reduces each row over the vocabulary in one pass: logits / T with
+padded-vocab columns at -inf, the row max m, sum exp(x - m), the target logit and (for the
+entropy) sum exp(x - m) * x. With TP the per-rank pieces are merged like an online softmax
+(all-reduce MAX of m, rescale, all-reduce SUM) into per-token log-sum-exp, log p(target) and
+entropy. Only those per-token fp32 vectors are saved; backward recomputes the softmax and
+writes the logits' gradient ``g_logp (onehot - p) / T - g_H p (x - E_p[x]) / T`` in the
+logits' dtype. This is the same quantity as megatron's ``vocab_parallel_cross_entropy``
+(-log p of the target), with the entropy fused in.
+
+On CUDA the per-row reduction and the gradient are torch.compile'd (Inductor fuses the upcast,
+mask, exp and sums into one read of the logits, and the gradient into one read and one write),
+so no fp32 copy of the logits exists and the whole micro-batch is one piece. Elsewhere (or with
+``MILES_COMPILE_LOGPROBS=0``) the same functions run eagerly over chunks of tokens, at most
+``CHUNK_ELEMENTS`` fp32 logits alive at a time.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import torch.distributed as dist
 
-CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk: 256 MB
+CHUNK_ELEMENTS = 1 << 26  # fp32 logits per eager chunk: 256 MB
 
 
 def _tp():
-    from megatron.core import parallel_state
-
+    """(rank, size, group) of tensor parallelism; (0, 1, None) without megatron's groups."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return 0, 1, None
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1, None
     return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_group())
 
 
-def _scaled(chunk: torch.Tensor, temperature: float, start: int, vocab_size: int) -> torch.Tensor:
-    """fp32 logits / T of one chunk with padded vocabulary columns at -inf (a fresh tensor)."""
-    x = chunk.float()
-    if temperature != 1.0 or x.data_ptr() == chunk.data_ptr():
-        x = x / temperature
-    width = x.shape[-1]
-    if start + width > vocab_size:  # padded vocabulary rows (zero weights) must not count
-        x[:, max(0, vocab_size - start):] = float("-inf")
-    return x
+def _masked(logits: torch.Tensor, temperature: float, valid: int) -> torch.Tensor:
+    """fp32 logits / T with columns >= valid (padded vocabulary) at -inf."""
+    x = logits.float() / temperature
+    cols = torch.arange(x.shape[-1], device=x.device)
+    return torch.where(cols < valid, x, float("-inf"))
+
+
+def _row_stats(logits, local, in_range, temperature: float, valid: int, with_entropy: bool):
+    """Per row: max m (-inf when every column is padding), s = sum exp(x - m'), the target
+    logit (0 off this rank) and sum exp(x - m') x (entropy only), with m' = m or 0 if m = -inf."""
+    x = _masked(logits, temperature, valid)
+    top = x.amax(dim=-1)
+    shift = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    e = torch.exp(x - shift[:, None])
+    total = e.sum(dim=-1)
+    target = torch.where(in_range, x.gather(1, local[:, None]).squeeze(1), torch.zeros_like(top))
+    ex = torch.where(e > 0, e * x, torch.zeros_like(x)).sum(dim=-1) if with_entropy else torch.zeros_like(top)
+    return top, total, target, ex
+
+
+def _row_grad(logits, lse, mean_x, local, in_range, g_logp, g_entropy, temperature: float, valid: int,
+              with_entropy: bool):
+    """d(sum g_logp logp + g_H H)/d logits of a block of rows, in the logits' dtype."""
+    x = _masked(logits, temperature, valid)
+    p = torch.exp(x - lse[:, None])
+    cols = torch.arange(x.shape[-1], device=x.device)
+    onehot = ((cols[None, :] == local[:, None]) & in_range[:, None]).to(p.dtype)
+    out = g_logp[:, None] * (onehot - p)
+    if with_entropy:
+        centred = torch.where(p > 0, x - mean_x[:, None], torch.zeros_like(x))
+        out = out - g_entropy[:, None] * p * centred
+    return (out / temperature).to(logits.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _use_compiled(t: torch.Tensor) -> bool:
+    return t.is_cuda and os.environ.get("MILES_COMPILE_LOGPROBS", "1") != "0" and "failed" not in _COMPILED
+
+
+def _kernel(name: str, eager):
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(eager, dynamic=None)
+    return _COMPILED[name]
+
+
+def _run(name: str, eager, compiled: bool, *args):
+    if compiled:
+        try:
+            import torch._dynamo
+
+            for a in args:  # rows vary between micro-batches (one dynamic compile); the vocab width does not
+                if isinstance(a, torch.Tensor):
+                    torch._dynamo.maybe_mark_dynamic(a, 0)
+                    if a.dim() == 2:
+                        torch._dynamo.mark_static(a, 1)
+            return _kernel(name, eager)(*args)
+        except Exception as exc:  # pragma: no cover - GPU only; fall back, never fail the step
+            warnings.warn(f"compiled log-probs failed ({type(exc).__name__}: {exc}); using the eager path")
+            _COMPILED["failed"] = True
+    return eager(*args)
 
 
 class _VocabParallelLogProb(torch.autograd.Function):
@@ -44,53 +111,47 @@ class _VocabParallelLogProb(torch.autograd.Function):
         rank, tp, group = _tp()
         n, width = logits.shape
         start = rank * width
+        valid = vocab_size - start  # columns at or past it are padded vocabulary rows
         local = targets - start
         in_range = (local >= 0) & (local < width)
         local = torch.where(in_range, local, torch.zeros_like(local))
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        logp = torch.empty_like(lse)
-        mean_x = torch.zeros_like(lse)
-        for s in range(0, n, chunk):
-            rows = slice(s, min(s + chunk, n))
-            x = _scaled(logits[rows], temperature, start, vocab_size)
-            top = x.max(dim=-1).values
-            if tp > 1:
-                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            e = torch.exp(x - top[:, None])
-            target = torch.where(in_range[rows], x.gather(1, local[rows, None]).squeeze(1), 0.0)
-            parts = [e.sum(-1), target]
-            if with_entropy:  # sum_v e_v * x_v (masked columns: e = 0, and 0 * -inf must not be nan)
-                parts.append(torch.where(e > 0, e * x, torch.zeros_like(x)).sum(-1))
-            stacked = torch.stack(parts)
-            if tp > 1:
-                dist.all_reduce(stacked, group=group)
-            lse[rows] = top + stacked[0].log()
-            logp[rows] = stacked[1] - lse[rows]
-            if with_entropy:
-                mean_x[rows] = stacked[2] / stacked[0]
+        compiled = _use_compiled(logits)
+        chunk = chunk or (n if compiled else max(1, CHUNK_ELEMENTS // width))
+        pieces = [_run("stats", _row_stats, compiled, logits[s:s + chunk], local[s:s + chunk],
+                       in_range[s:s + chunk], temperature, valid, with_entropy) for s in range(0, n, chunk)]
+        top, total, target, ex = (torch.cat(p) if len(pieces) > 1 else p[0] for p in zip(*pieces))
+        if tp > 1:
+            best = top.clone()
+            dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+            scale = torch.exp(top - best)  # 0 where this rank's slice is all padding
+            stacked = torch.stack([total * scale, target, ex * scale])
+            dist.all_reduce(stacked, group=group)
+            top, (total, target, ex) = best, stacked
+        lse = top + total.log()
+        logp = target - lse
+        mean_x = ex / total if with_entropy else torch.zeros_like(lse)
         ctx.save_for_backward(logits, local, in_range, lse, mean_x)
-        ctx.temperature, ctx.vocab_size, ctx.with_entropy, ctx.chunk, ctx.start = \
-            temperature, vocab_size, with_entropy, chunk, start
+        ctx.temperature, ctx.valid, ctx.with_entropy, ctx.chunk, ctx.compiled = \
+            temperature, valid, with_entropy, chunk, compiled
         entropy = lse - mean_x if with_entropy else torch.zeros_like(lse)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, local, in_range, lse, mean_x = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        n = logits.shape[0]
-        t = ctx.temperature
-        for s in range(0, n, ctx.chunk):
-            rows = slice(s, min(s + ctx.chunk, n))
-            x = _scaled(logits[rows], t, ctx.start, ctx.vocab_size)
-            p = torch.exp(x - lse[rows, None])
-            g = grad_logp[rows, None] if grad_logp is not None else torch.zeros_like(lse[rows, None])
-            out = -g * p
-            out.scatter_add_(1, local[rows, None], (g * in_range[rows, None]).to(out.dtype))
-            if ctx.with_entropy and grad_entropy is not None:
-                centred = torch.where(p > 0, x - mean_x[rows, None], torch.zeros_like(x))
-                out -= grad_entropy[rows, None] * p * centred
-            grad[rows] = (out / t).to(grad.dtype)
+        n, chunk = logits.shape[0], ctx.chunk
+        g_logp = grad_logp if grad_logp is not None else torch.zeros_like(lse)
+        with_entropy = ctx.with_entropy and grad_entropy is not None
+        g_entropy = grad_entropy if with_entropy else torch.zeros_like(lse)
+        args = lambda s: (logits[s:s + chunk], lse[s:s + chunk], mean_x[s:s + chunk], local[s:s + chunk],  # noqa: E731
+                          in_range[s:s + chunk], g_logp[s:s + chunk], g_entropy[s:s + chunk], ctx.temperature,
+                          ctx.valid, with_entropy)
+        if chunk >= n:
+            grad = _run("grad", _row_grad, ctx.compiled, *args(0))
+        else:
+            grad = torch.empty_like(logits)
+            for s in range(0, n, chunk):
+                grad[s:s + chunk] = _run("grad", _row_grad, ctx.compiled, *args(s))
         return grad, None, None, None, None, None
 
 
@@ -98,9 +159,9 @@ def token_logprobs(local_logits: torch.Tensor, targets: torch.Tensor, temperatur
                    with_entropy: bool = False, chunk_tokens: int | None = None):
     """log p(target) [B, T] (and entropy [B, T] or None) from vocab-parallel logits [B, T, V/tp]."""
     b, t, width = local_logits.shape
-    chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // width)
     logp, entropy = _VocabParallelLogProb.apply(local_logits.reshape(b * t, width), targets.reshape(b * t),
-                                                float(temperature), int(vocab_size), bool(with_entropy), chunk)
+                                                float(temperature), int(vocab_size), bool(with_entropy),
+                                                chunk_tokens)
     return logp.view(b, t), (entropy.view(b, t) if with_entropy else None)
 
 

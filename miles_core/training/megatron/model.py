@@ -201,7 +201,7 @@ def shutdown_parallel(destroy_default_group: bool) -> None:
 
 # ---- the model ---------------------------------------------------------------------------------
 def transformer_config(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,
-                       recompute: bool = False, fused_swiglu: bool = False):
+                       recompute: bool = False, fused_swiglu: bool = False, routing_replay: bool = False):
     from megatron.core.transformer import TransformerConfig
 
     shape = model_shape(hf_config, tp)
@@ -232,7 +232,11 @@ def transformer_config(hf_config, tp: int = 1, dtype: torch.dtype = torch.float3
             moe_router_pre_softmax=not getattr(hf_config, "norm_topk_prob", True),
             moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="alltoall" if (ep > 1 and not on_cpu) else "allgather",
-            moe_grouped_gemm=False, moe_router_dtype="fp32")
+            moe_grouped_gemm=False, moe_router_dtype="fp32",
+            # routers take replayed experts when told (routing_replay.py); free routing otherwise
+            moe_enable_routing_replay=routing_replay)
+    elif routing_replay:
+        raise ValueError(f"routing replay needs an MoE model; this {shape.family} model has no experts")
     return TransformerConfig(**kwargs)
 
 
@@ -247,18 +251,20 @@ def layer_spec(config):
 
 def build_gpt_model(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,
                     vocab_divisor: int = DEFAULT_VOCAB_DIVISOR, recompute: bool = False, post_process: bool = True,
-                    fused_swiglu: bool = False):
+                    fused_swiglu: bool = False, compile_layers: bool | None = None, routing_replay: bool = False):
     """A GPTModel for this rank (model-parallel groups must be initialised: see init_parallel).
 
     post_process=False gives the trunk only (no final norm, no output layer; returns hidden
-    states [s, b, h]), used for the critic."""
+    states [s, b, h]), used for the critic. compile_layers: torch.compile each decoder layer
+    (GPU only; None = the MILES_TORCH_COMPILE=1 environment switch). routing_replay: MoE
+    routers that can replay given experts (``model.router_replays``, see routing_replay.py)."""
     from megatron.core.models.gpt import GPTModel
 
     from miles_core.training.megatron.cpu_compat import enable_cpu_mode
 
     enable_cpu_mode()
     shape = model_shape(hf_config, tp, vocab_divisor)
-    config = transformer_config(hf_config, tp, dtype, ep, recompute, fused_swiglu)
+    config = transformer_config(hf_config, tp, dtype, ep, recompute, fused_swiglu, routing_replay)
     theta, scaling = _rope(hf_config)
     model = GPTModel(config=config, transformer_layer_spec=layer_spec(config), vocab_size=shape.padded_vocab,
                      max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
@@ -266,9 +272,70 @@ def build_gpt_model(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, 
                      position_embedding_type="rope",
                      rotary_base=theta, rotary_percent=1.0, parallel_output=True, **scaling)
     _mark_tensor_parallel(model)
+    _pass_row_parallel_group(model)
+    _batch_major_output(model)
+    if routing_replay:
+        from miles_core.training.megatron.routing_replay import claim_router_replays
+
+        claim_router_replays(model)
     if torch.cuda.is_available():
         model = model.cuda()
+        if compile_layers is None:
+            compile_layers = os.environ.get("MILES_TORCH_COMPILE", "0") == "1"
+        if compile_layers and not recompute:
+            compile_decoder_layers(model)
     return model
+
+
+def compile_decoder_layers(model) -> int:
+    """torch.compile each TransformerLayer (in place; parameter names unchanged). Dynamo breaks
+    the graph at megatron's linear layers (their process-group look-ups), so what is compiled
+    is the elementwise work between the matmuls (norms, RoPE, SwiGLU, residual adds) plus SDPA;
+    the layers share the compiled code. Returns the number of layers compiled."""
+    import torch._dynamo
+
+    layers = list(model.decoder.layers)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(layers) + 8)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def _pass_row_parallel_group(model) -> None:
+    """RowParallelLinear.forward calls its matmul with ``tp_group=None``, which makes megatron look
+    the group up and issue a DeprecationWarning on every call (a graph break under torch.compile).
+    Pass the layer's own group instead: the row-parallel matmul never uses it (no input-gradient
+    all-reduce, no sequence parallelism), so nothing else changes."""
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear) and not hasattr(module, "_miles_forward_impl"):
+            module._miles_forward_impl = module._forward_impl
+
+            def forward_impl(*args, _module=module, **kwargs):
+                if kwargs.get("tp_group", 0) is None:
+                    kwargs["tp_group"] = _module.tp_group
+                return _module._miles_forward_impl(*args, **kwargs)
+
+            module._forward_impl = forward_impl
+
+
+def _batch_major_output(model) -> None:
+    """GPTModel computes logits [s, b, V] and returns ``logits.transpose(0, 1).contiguous()``: a
+    copy of the largest activation in forward and of its gradient in backward. Running the output
+    layer on the [b, s, h] view of the hidden states instead gives [b, s, V] logits whose [s, b, V]
+    view makes that ``.contiguous()`` free. Same numbers (each logit is one row times the weight)."""
+    layer = getattr(model, "output_layer", None) if getattr(model, "post_process", False) else None
+    if layer is None or getattr(layer, "sequence_parallel", False) or getattr(layer, "_miles_batch_major", False):
+        return
+    forward = layer.forward
+
+    def batch_major(input_, *args, **kwargs):
+        out, bias = forward(input_.transpose(0, 1), *args, **kwargs)
+        return out.transpose(0, 1), bias
+
+    layer.forward = batch_major
+    layer._miles_batch_major = True
 
 
 def _mark_tensor_parallel(model) -> None:

@@ -33,13 +33,14 @@ from miles_core.training.megatron.convert import TORCH_DIST, load_hf_weights, lo
     verify_manifest
 from miles_core.training.megatron.logprobs import clip_grad_norm, next_token_logprobs
 from miles_core.training.megatron.model import build_gpt_model, causal_positions, forward_logits, init_parallel, \
-    model_shape, shutdown_parallel
+    family_of, model_shape, shutdown_parallel
+from miles_core.training.megatron.routing_replay import replayed_routing, routing_targets
 from miles_core.weights import weights_sha256
 
 
 @dataclass
 class MegatronOptions:
-    """Parallel layout; read from `training.megatron` when the config has it."""
+    """Parallel layout and memory options, normally read from `training.megatron`."""
 
     tp: int = 1
     pp: int = 1
@@ -47,17 +48,23 @@ class MegatronOptions:
     recompute: bool = False
     logprob_chunk_tokens: int | None = None
     fused_swiglu: bool = False
+    routing_replay: bool = False
 
     @classmethod
     def from_training(cls, training: TrainingConfig) -> "MegatronOptions":
-        section = getattr(training, "megatron", None)
-        if section is None:
-            return cls()
-        fields = section.model_dump() if hasattr(section, "model_dump") else dict(section)
-        if fields.get("cp", 1) != 1 or fields.get("sequence_parallel", False):
-            raise NotImplementedError("training.megatron: context parallelism (cp > 1) and sequence_parallel "
-                                      "need TransformerEngine; the local spec with SDPA supports neither")
-        return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
+        # The config validated the layout already (pp = cp = 1); cp has no option here.
+        m = training.megatron
+        return cls(tp=m.tensor_parallel_size, pp=m.pipeline_parallel_size, ep=m.expert_parallel_size,
+                   recompute=m.recompute_activations, logprob_chunk_tokens=m.logprob_chunk_tokens,
+                   fused_swiglu=m.fused_swiglu, routing_replay=m.routing_replay)
+
+
+def _require_experts(model_dir: str) -> None:
+    """Routing replay on a dense model would silently do nothing: refuse it before any setup."""
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    if model_shape(hf_config).num_experts is None:
+        raise ValueError(f"training.megatron.routing_replay needs an MoE model (Qwen3-MoE), but {model_dir} is "
+                         f"{family_of(hf_config)} without experts: set training.megatron.routing_replay=false")
 
 
 def _select(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
@@ -92,6 +99,8 @@ class MegatronTrainer:
         if isinstance(megatron, dict):
             megatron = MegatronOptions(**megatron)
         self.opts = megatron or MegatronOptions.from_training(training)
+        if self.opts.routing_replay:
+            _require_experts(model_dir)
         if self.opts.pp != 1:
             raise NotImplementedError("MegatronTrainer runs pipeline size 1 only (training.megatron.pp=1)")
         self.owns_process_group = init_parallel(self.opts.tp, self.opts.pp, self.opts.ep, seed)
@@ -110,12 +119,13 @@ class MegatronTrainer:
         # fp32 parameters and Adam state (as FSDPTrainer); bf16 autocast for the matmuls on GPU
         self.dtype = torch.float32
         hf_weights = None if megatron_ckpt else load_hf_weights(model_dir)
-        self.model = self._build(self.hf_config, hf_weights, megatron_ckpt).train()
+        # policy and reference replay the engine's experts; critic and teacher route freely
+        self.model = self._build(self.hf_config, hf_weights, megatron_ckpt, replay=True).train()
         self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), training.lr)
         self.critic = self.value_head = self.critic_optimizer = self.critic_scheduler = None
         if algorithm.uses_critic:
             self._build_critic(hf_weights, megatron_ckpt, seed)
-        self.reference = self._frozen(model_dir, hf_weights, megatron_ckpt) \
+        self.reference = self._frozen(model_dir, hf_weights, megatron_ckpt, replay=True) \
             if objectives.needs_reference(algorithm) else None
         if algorithm.effective_opd_coef > 0 and teacher_dir is None:
             raise ValueError("a teacher model directory is required for distillation")
@@ -123,10 +133,12 @@ class MegatronTrainer:
         self.step = 0
 
     # ---- construction -------------------------------------------------------------------------
-    def _build(self, hf_config, hf_weights, megatron_ckpt: str | None, post_process: bool = True):
+    def _build(self, hf_config, hf_weights, megatron_ckpt: str | None, post_process: bool = True,
+               replay: bool = False):
         # post_process=False: the critic trunk (its final norm and head are the ValueHead)
         model = build_gpt_model(hf_config, self.tp, self.dtype, self.opts.ep, recompute=self.opts.recompute,
-                                post_process=post_process, fused_swiglu=self.opts.fused_swiglu)
+                                post_process=post_process, fused_swiglu=self.opts.fused_swiglu,
+                                routing_replay=replay and self.opts.routing_replay)
         if megatron_ckpt is not None:
             verify_manifest(megatron_ckpt)
             load_model_checkpoint(model, Path(megatron_ckpt) / TORCH_DIST)
@@ -154,11 +166,11 @@ class MegatronTrainer:
         params = list(self.critic.parameters()) + list(self.value_head.parameters())
         self.critic_optimizer, self.critic_scheduler = self._optimizer(params, self.algorithm.critic_lr)
 
-    def _frozen(self, model_dir: str, hf_weights=None, megatron_ckpt: str | None = None):
+    def _frozen(self, model_dir: str, hf_weights=None, megatron_ckpt: str | None = None, replay: bool = False):
         hf_config = self.hf_config if model_dir == self.model_dir else AutoConfig.from_pretrained(model_dir)
         if hf_weights is None and megatron_ckpt is None:
             hf_weights = load_hf_weights(model_dir)
-        return self._build(hf_config, hf_weights, megatron_ckpt).eval().requires_grad_(False)
+        return self._build(hf_config, hf_weights, megatron_ckpt, replay=replay).eval().requires_grad_(False)
 
     def _optimizer(self, params, lr: float):
         t = self.training
@@ -175,9 +187,22 @@ class MegatronTrainer:
         device = next(self.model.parameters()).device
         return {k: v.to(device) for k, v in batch.items()}
 
+    def _rl_batch(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        """pad_batch on the device, plus the engine's experts when routing replay is on (kept on
+        CPU: one micro-batch's layers at a time go to the device, see routing_replay.py)."""
+        batch = self._device(pad_batch(samples, self.tokenizer.pad_token_id))
+        if self.opts.routing_replay:
+            batch["routed_experts"] = routing_targets(samples, batch["tokens"].shape[1], self.shape.num_layers,
+                                                      self.hf_config.num_experts_per_tok, self.shape.num_experts)
+        return batch
+
     def _token_logprobs(self, model, mb: dict[str, torch.Tensor], with_entropy: bool = False, vocab_size=None):
         tokens = mb["tokens"]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
+        # with recompute the backward re-runs the routers, which must replay the same experts
+        backward_follows = self.opts.recompute and torch.is_grad_enabled() and model.training
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available()), \
+                replayed_routing(getattr(model, "router_replays", None), mb.get("routed_experts"), tokens.device,
+                                 backward_follows):
             logits = forward_logits(model, tokens)
         return next_token_logprobs(logits, tokens, self.temperature, vocab_size or self.shape.vocab_size,
                                    with_entropy, self.opts.logprob_chunk_tokens)
@@ -220,7 +245,7 @@ class MegatronTrainer:
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Trainer log-probs of each sample's response tokens (for mismatch checks)."""
-        batch = self._device(pad_batch(samples, self.tokenizer.pad_token_id))
+        batch = self._rl_batch(samples)
         self._score(batch)
         return [batch["old_logp"][row][batch["mask"][row] > 0].tolist() for row in range(len(samples))]
 
@@ -228,7 +253,7 @@ class MegatronTrainer:
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """Score, compute advantages over the whole batch, then policy/critic update(s)."""
         cfg = self.algorithm
-        batch = self._device(pad_batch(samples, self.tokenizer.pad_token_id))
+        batch = self._rl_batch(samples)
         self._score(batch)
         objectives.compute_advantages(cfg, batch, self.group_size)
         weights = objectives.importance_weights(cfg, batch)
@@ -341,8 +366,10 @@ class MegatronTrainer:
             full[name] = mapping.unshard(name, [p.cpu() for p in parts])
         return full
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+    def hf_state_dict(self, to_cpu: bool | None = None) -> dict[str, torch.Tensor]:
         """Full weights under Hugging Face names, on CPU (tied lm_head dropped). Collective.
+        to_cpu is accepted for the FSDPTrainer signature (the object-store transport passes it);
+        the result is on CPU either way.
 
         MoE experts come fused as in transformers 5 modules (what the engines load)."""
         if self.opts.ep > 1:

@@ -1,0 +1,238 @@
+"""Per-GPU memory estimate of the trainer, printed by `miles plan` before anything is started.
+
+What it counts (both trainers keep fp32 parameters, fp32 gradients and fp32 AdamW moments,
+and run matmuls under bf16 autocast on GPU; plain AdamW: optimizer states are not sharded
+over data-parallel ranks):
+
+* weights 4 B, gradients 4 B, optimizer 8 B (Adam m and v) per parameter this GPU holds;
+  a critic counts as a second trainable model, a reference / teacher as frozen fp32 weights
+  (the teacher is assumed to have the policy's shape);
+* parameters this GPU holds: attention, dense MLP and the (padded) vocabulary / tp; experts
+  / (ep * tp) (megatron's expert tensor parallel size defaults to tp); norms and the router
+  replicated;
+* activations of one micro-batch of b sequences of s = data.max_prompt_tokens +
+  rollout.max_new_tokens tokens, at 2 B per element on GPU (bf16) and 4 B on CPU. Per token
+  and layer the backward keeps: 4h (the two norm inputs and the two matmul inputs), the q, k,
+  v projections and the attention output ((a + 2 kv) d + a d) / tp, and the MLP's fc1 output
+  and activation 3F / tp (MoE: k routed copies of h + 3 F_moe, / tp). With full recomputation
+  only each layer's input h is kept, plus one layer's full set while it is recomputed. The
+  logits of the micro-batch (V_pad / tp per token) are kept once and their gradient once.
+
+Not counted: CUDA context and allocator fragmentation (a few GiB), the eager path's fp32
+logits chunk (256 MB), communication buffers, and the rollout engines (SGLang sizes its own
+KV cache from mem_fraction_static).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_core.config import ModelConfig, RunConfig
+
+GIB = 1024 ** 3
+PARAM_BYTES = 4  # fp32 master weights (both trainers)
+GRAD_BYTES = 4  # fp32 gradients
+ADAM_BYTES = 8  # fp32 exp_avg + exp_avg_sq
+MEGATRON_VOCAB_MULTIPLE = 128  # megatron pads the vocabulary to a multiple of 128 * tp
+
+# Shapes of the production recipes' models, from their public config.json, so that `miles plan`
+# needs no download; a config.json in the local Hugging Face cache wins over these.
+KNOWN_HF_CONFIGS: dict[str, dict] = {
+    "Qwen/Qwen3-4B": dict(num_hidden_layers=36, hidden_size=2560, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen/Qwen3-30B-A3B": dict(num_hidden_layers=48, hidden_size=2048, num_attention_heads=32,
+                               num_key_value_heads=4, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                               tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                               moe_intermediate_size=768),
+}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shape numbers the estimate needs (Qwen3 / Qwen2 / Llama / Qwen3-MoE decoders)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    qk_norm: bool = True
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "ModelDims":
+        hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+        return cls(num_layers=hf["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
+                   num_kv_heads=hf.get("num_key_value_heads", heads), head_dim=hf.get("head_dim") or hidden // heads,
+                   intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+                   tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                   num_experts=hf.get("num_experts", 0) or 0, experts_per_token=hf.get("num_experts_per_tok", 0) or 0,
+                   moe_intermediate_size=hf.get("moe_intermediate_size", 0) or 0,
+                   qk_norm=hf.get("model_type", "qwen3").startswith("qwen3"))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one model replica is split over GPUs."""
+
+    tp: int = 1
+    ep: int = 1
+    recompute: bool = False
+    vocab_multiple: int = 1
+    """The vocabulary is padded to a multiple of vocab_multiple * tp (megatron: 128; HF: 1)."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per trainer GPU, by kind."""
+
+    params_total: int
+    params_per_gpu: int
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    frozen_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.frozen_bytes + self.activation_bytes
+
+
+def padded_vocab(vocab_size: int, layout: Layout) -> int:
+    multiple = layout.vocab_multiple * layout.tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def parameter_counts(d: ModelDims, layout: Layout) -> tuple[int, int]:
+    """(parameters of the model, parameters one GPU holds under the layout)."""
+    tp, ep = layout.tp, layout.ep
+    attn = d.hidden_size * (d.num_heads + 2 * d.num_kv_heads) * d.head_dim + d.num_heads * d.head_dim * d.hidden_size
+    norms = 2 * d.hidden_size + (2 * d.head_dim if d.qk_norm else 0)
+    router = d.hidden_size * d.num_experts  # every layer is sparse in an MoE model (Qwen3-MoE)
+    experts = d.num_experts * 3 * d.hidden_size * d.moe_intermediate_size
+    dense_mlp = 0 if d.num_experts else 3 * d.hidden_size * d.intermediate_size
+    vocab_matrices = 1 if d.tied_embeddings else 2
+    total = (d.num_layers * (attn + norms + router + experts + dense_mlp)
+             + vocab_matrices * d.vocab_size * d.hidden_size + d.hidden_size)
+    per_gpu = (d.num_layers * ((attn + dense_mlp) // tp + norms + router + experts // (ep * tp))
+               + vocab_matrices * padded_vocab(d.vocab_size, layout) * d.hidden_size // tp + d.hidden_size)
+    return total, per_gpu
+
+
+def layer_activation_elements(d: ModelDims, tp: int) -> int:
+    """Elements per token one layer keeps for backward (see the module docstring)."""
+    attn = 4 * d.hidden_size + ((d.num_heads + 2 * d.num_kv_heads) * d.head_dim + d.num_heads * d.head_dim) // tp
+    if d.num_experts:
+        return attn + d.experts_per_token * (d.hidden_size + 3 * d.moe_intermediate_size) // tp
+    return attn + 3 * d.intermediate_size // tp
+
+
+def activation_bytes(d: ModelDims, layout: Layout, micro_batch: int, seq_tokens: int, element_bytes: int) -> int:
+    tokens = micro_batch * seq_tokens
+    one_layer = layer_activation_elements(d, layout.tp)
+    kept = d.num_layers * d.hidden_size + one_layer if layout.recompute else d.num_layers * one_layer
+    logits = 2 * padded_vocab(d.vocab_size, layout) // layout.tp  # the logits and their gradient
+    return tokens * (kept + logits) * element_bytes
+
+
+def estimate(d: ModelDims, layout: Layout, micro_batch: int, seq_tokens: int, element_bytes: int = 2,
+             trainable_models: int = 1, frozen_models: int = 0) -> MemoryEstimate:
+    """Per-GPU bytes of `trainable_models` trained copies (policy, critic) and `frozen_models`
+    frozen ones (reference, teacher) of this shape, plus one micro-batch's activations each."""
+    total, per_gpu = parameter_counts(d, layout)
+    return MemoryEstimate(
+        params_total=total, params_per_gpu=per_gpu,
+        weights_bytes=trainable_models * per_gpu * PARAM_BYTES, grads_bytes=trainable_models * per_gpu * GRAD_BYTES,
+        optimizer_bytes=trainable_models * per_gpu * ADAM_BYTES, frozen_bytes=frozen_models * per_gpu * PARAM_BYTES,
+        activation_bytes=trainable_models * activation_bytes(d, layout, micro_batch, seq_tokens, element_bytes))
+
+
+# ---- from a recipe ----------------------------------------------------------------------------------
+def _cached_hf_config(repo: str, revision: str | None) -> dict | None:
+    """config.json of an hf:// source if it is in the local Hugging Face cache (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    path = try_to_load_from_cache(repo, "config.json", revision=revision or None)
+    return json.loads(Path(path).read_text()) if isinstance(path, str) else None
+
+
+def model_dims(model: ModelConfig) -> ModelDims | None:
+    """The model's shape without downloading weights; None when it cannot be known offline."""
+    src = model.source
+    if src.startswith("builtin:"):
+        from miles_core.tiny import CHARACTERS, SPECIAL_TOKENS
+
+        t = model.tiny
+        return ModelDims(num_layers=t.num_layers, hidden_size=t.hidden_size, num_heads=t.num_attention_heads,
+                         num_kv_heads=t.num_key_value_heads, head_dim=t.hidden_size // t.num_attention_heads,
+                         intermediate_size=t.intermediate_size, vocab_size=len(SPECIAL_TOKENS + CHARACTERS),
+                         tied_embeddings=True)
+    if src.startswith("hf://"):
+        repo, _, revision = src[len("hf://"):].partition("@")
+        hf = _cached_hf_config(repo, revision) or KNOWN_HF_CONFIGS.get(repo)
+        return ModelDims.from_hf_config(hf) if hf else None
+    local = Path(src).expanduser() / "config.json"
+    if "://" not in src and local.is_file():
+        return ModelDims.from_hf_config(json.loads(local.read_text()))
+    return None
+
+
+def trainer_layout(cfg: RunConfig) -> Layout:
+    t = cfg.training
+    if t.backend == "megatron":
+        return Layout(tp=t.megatron.tensor_parallel_size, ep=t.megatron.expert_parallel_size,
+                      recompute=t.megatron.recompute_activations, vocab_multiple=MEGATRON_VOCAB_MULTIPLE)
+    return Layout()  # FSDP2 runs as one rank: nothing is sharded
+
+
+def estimate_for_config(cfg: RunConfig) -> MemoryEstimate | None:
+    """The trainer's per-GPU estimate for a recipe; None when the model's shape is unknown offline."""
+    from miles_core import objectives
+
+    dims = model_dims(cfg.model)
+    if dims is None:
+        return None
+    a = cfg.algorithm
+    frozen = int(objectives.needs_reference(a)) + int(a.effective_opd_coef > 0)
+    seq_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    element_bytes = 2 if cfg.training.gpus_per_trainer > 0 else 4
+    return estimate(dims, trainer_layout(cfg), cfg.training.micro_batch_size, seq_tokens, element_bytes,
+                    trainable_models=1 + int(a.uses_critic), frozen_models=frozen)
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / GIB:.2f} GiB" if n_bytes >= GIB else f"{n_bytes / 2 ** 20:.1f} MiB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.3f} M"
+
+
+def describe_estimate(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(what, size) rows for `miles plan`."""
+    est = estimate_for_config(cfg)
+    if est is None:
+        return [("estimate", f"unknown: the shape of {cfg.model.source} is not available offline "
+                             "(put its config.json in the Hugging Face cache or use a local directory)")]
+    seq_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    layout = trainer_layout(cfg)
+    return [
+        ("parameters", f"{_count(est.params_total)} in the model, {_count(est.params_per_gpu)} on each GPU"),
+        ("weights (fp32)", _size(est.weights_bytes)),
+        ("gradients (fp32)", _size(est.grads_bytes)),
+        ("optimizer (AdamW m, v fp32)", _size(est.optimizer_bytes)),
+        ("frozen copies (reference/teacher)", _size(est.frozen_bytes)),
+        ("activations", f"{_size(est.activation_bytes)} (micro-batch {cfg.training.micro_batch_size} x {seq_tokens} "
+                        f"tokens at most, recompute {'on' if layout.recompute else 'off'})"),
+        ("total per trainer GPU", f"{_size(est.total_bytes)} (+ CUDA context and fragmentation)"),
+    ]

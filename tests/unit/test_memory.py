@@ -1,0 +1,86 @@
+"""The per-GPU memory estimate against hand calculations (miles_core/memory.py docstring)."""
+
+import pytest
+
+from miles_core.config import load_config
+from miles_core.memory import GIB, KNOWN_HF_CONFIGS, Layout, ModelDims, describe_estimate, estimate, \
+    estimate_for_config, parameter_counts
+from tests.conftest import REPO
+
+# 2 layers, h=64, 4 query heads and 2 kv heads of 16, MLP 128, vocabulary 100, tied embeddings.
+DENSE = ModelDims(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                  vocab_size=100, tied_embeddings=True)
+# 1 MoE layer, h=32, 2 query heads / 1 kv head of 16, 4 experts of width 8, top-2, untied, vocab 64.
+MOE = ModelDims(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+                vocab_size=64, tied_embeddings=False, num_experts=4, experts_per_token=2, moe_intermediate_size=8)
+TP2 = Layout(tp=2, vocab_multiple=128)
+
+
+def test_dense_parameter_counts_by_hand():
+    # per layer: q,k,v 64*(4+2*2)*16 = 8192, o 4*16*64 = 4096, norms 2*64 + q/k norms 2*16 = 160,
+    # MLP 3*64*128 = 24576 -> 37024; x2 layers + embedding 100*64 + final norm 64 = 80512.
+    # tp=2: (8192+4096+24576)/2 + 160 = 18592 per layer, vocabulary padded to 256 rows -> 256*64/2,
+    # + final norm: 2*18592 + 8192 + 64 = 45440.
+    assert parameter_counts(DENSE, TP2) == (80512, 45440)
+    assert parameter_counts(DENSE, Layout()) == (80512, 80512)  # HF layout: no padding, no sharding
+
+
+def test_moe_parameter_counts_by_hand():
+    # attention 32*4*16 + 2*16*32 = 3072, norms 64 + 32 = 96, router 32*4 = 128, experts 4*3*32*8 = 3072,
+    # untied vocabulary 2*64*32 = 4096, final norm 32 -> 10496; ep=2 halves the experts: 8960.
+    assert parameter_counts(MOE, Layout(ep=2)) == (10496, 8960)
+
+
+def test_dense_bytes_by_hand():
+    est = estimate(DENSE, TP2, micro_batch=2, seq_tokens=10, element_bytes=2)
+    assert (est.weights_bytes, est.grads_bytes, est.optimizer_bytes) == (45440 * 4, 45440 * 4, 45440 * 8)
+    # per token and layer: 4*64 + ((4+2*2)*16 + 4*16)/2 + 3*128/2 = 256 + 96 + 192 = 544;
+    # logits and their gradient 2*256/2 = 256; 20 tokens at 2 B: (2*544 + 256) * 20 * 2
+    assert est.activation_bytes == (2 * 544 + 256) * 20 * 2
+    recomputed = estimate(DENSE, Layout(tp=2, recompute=True, vocab_multiple=128), 2, 10, 2)
+    assert recomputed.activation_bytes == (2 * 64 + 544 + 256) * 20 * 2  # layer inputs + one layer
+    assert est.total_bytes == 45440 * 16 + est.activation_bytes
+
+
+def test_moe_activations_and_extra_models_by_hand():
+    est = estimate(MOE, Layout(ep=2), micro_batch=1, seq_tokens=4, element_bytes=4, trainable_models=2,
+                   frozen_models=1)
+    # 4*32 + (4*16 + 2*16) + top-2 copies of (32 + 3*8) = 128 + 96 + 112 = 336; logits 2*64
+    assert est.activation_bytes == 2 * (336 + 128) * 4 * 4
+    assert est.weights_bytes == 2 * 8960 * 4 and est.optimizer_bytes == 2 * 8960 * 8
+    assert est.frozen_bytes == 8960 * 4
+
+
+def test_public_model_sizes():
+    assert parameter_counts(ModelDims.from_hf_config(KNOWN_HF_CONFIGS["Qwen/Qwen3-4B"]), Layout())[0] == 4_022_468_096
+    moe = ModelDims.from_hf_config(KNOWN_HF_CONFIGS["Qwen/Qwen3-30B-A3B"])
+    assert parameter_counts(moe, Layout())[0] == 30_532_122_624
+
+
+def test_quick_start_recipe_fits_one_80gb_gpu():
+    cfg = load_config(REPO / "configs/qwen3-4b-grpo-dapo.yaml")
+    est = estimate_for_config(cfg)
+    # 4.02 B parameters * 16 B + recomputed activations of 1 x 9216 tokens
+    assert est.params_per_gpu == 4_022_468_096
+    assert 60 * GIB < est.total_bytes < 72 * GIB, est.total_bytes / GIB
+    rows = dict(describe_estimate(cfg))
+    assert rows["total per trainer GPU"].startswith(f"{est.total_bytes / GIB:.2f} GiB")
+
+
+def test_unknown_shape_is_reported_not_guessed():
+    from miles_core.config import build_config
+
+    rows = describe_estimate(build_config({"model": {"source": "hf://someone/unknown-model@abc"}}))
+    assert rows[0][0] == "estimate" and "unknown" in rows[0][1]
+
+
+@pytest.mark.parametrize("layout", [Layout(), TP2])
+def test_builtin_model_estimate_matches_its_shape(layout, tiny_model_dir):
+    import json
+
+    from miles_core.config import RunConfig
+    from miles_core.memory import model_dims
+
+    from_builtin = model_dims(RunConfig().model)
+    from_dir = ModelDims.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
+    assert parameter_counts(from_builtin, layout) == parameter_counts(from_dir, layout)
