@@ -1,5 +1,6 @@
 """Kubernetes manifests for the same deployment: a Prefect work-pool base job template (the
-flow-run pod) and a KubeRay RayJob (the Ray cluster that runs `miles_core.train`).
+flow-run pod) and a KubeRay RayJob (a Ray cluster that runs one training driver session,
+`miles_core.driver`, from a DriverJob file on a shared volume mounted at /run).
 
     miles k8s render configs/qwen3-4b-grpo-dapo.yaml --image registry/miles:0.1.0 --out-dir infra/k8s
 """
@@ -63,7 +64,8 @@ def rayjob(cfg: RunConfig, image: str, namespace: str, run_key: str) -> dict:
         "apiVersion": "ray.io/v1", "kind": "RayJob",
         "metadata": {"name": f"miles-{run_key}", "namespace": namespace, "labels": {"app": "miles", "run-key": run_key}},
         "spec": {
-            "entrypoint": "python -m miles_core.train --spec /run/spec.json --result /run/result.json",
+            "entrypoint": ("python -m miles_core.driver --job /run/job.json --progress /run/progress.jsonl "
+                           "--result /run/result.json"),
             "submissionMode": "K8sJobMode", "shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": 3600,
             "backoffLimit": 0,  # Prefect's task retries own re-submission (with resume)
             "rayClusterSpec": {

@@ -32,9 +32,7 @@ from pathlib import Path
 
 import psutil
 import requests
-import typer
 from rich.console import Console
-from rich.table import Table
 
 DEFAULT_STATE_DIR = Path(".miles/stack")
 ALL_SERVICES = ("s3", "prefect", "mlflow", "ray", "worker")  # launch order
@@ -43,6 +41,9 @@ PORTS_NEEDED = {"s3": 1, "prefect": 1, "mlflow": 1, "worker": 0, "ray": 4}
 LOOPBACK = "127.0.0.1"
 POOL = "local-process"
 WORKER_NAME = "miles-stack-worker"
+HEARTBEAT_SECONDS = 60
+"""Flow-run heartbeat period of the stack's worker (Prefect's minimum is 30 s); the crash
+automation fires after three missed beats."""
 BUCKETS = ("miles", "mlflow-artifacts")
 REGION = "us-east-1"
 SECRET_WORDS = ("SECRET", "TOKEN", "PASSWORD", "KEY_ID")
@@ -242,7 +243,7 @@ def _command(name: str, ports: list[int], sd: Path, opts: dict) -> list[str]:
     return [_bin("ray"), "start", "--head", "--block", "--port", gcs,
             "--ray-client-server-port", client, "--dashboard-host", LOOPBACK,
             "--dashboard-port", dash, "--dashboard-agent-listen-port", agent,
-            "--include-dashboard", "false", "--num-cpus", str(opts["ray_num_cpus"]),
+            "--include-dashboard", "true", "--num-cpus", str(opts["ray_num_cpus"]),
             "--temp-dir", str(opts["ray_temp_dir"]), "--disable-usage-stats"]
 
 
@@ -256,7 +257,7 @@ def _service_env(name: str, sd: Path, user_env: dict[str, str]) -> dict[str, str
     if name == "ray":  # a RAY_ADDRESS in the environment would make `ray start --head` fail
         return {k: v for k, v in user_env.items() if k != "RAY_ADDRESS"}
     if name == "worker":  # flow runs inherit the worker's environment: give them the whole stack
-        return {**user_env, **prefect}
+        return {**user_env, **prefect, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS)}
     return user_env
 
 
@@ -285,6 +286,7 @@ def _healthy(name: str, rec: dict) -> bool:
             host, port = address.rsplit(":", 1)
             socket.create_connection((host, int(port)), timeout=3).close()
             rec["url"] = address
+            requests.get(f"{_ray_jobs_url(rec['ports'])}/api/version", timeout=5).raise_for_status()
         return bool(address)
     except (requests.RequestException, OSError, ValueError):
         return False
@@ -321,7 +323,12 @@ def _ensure_pool(api_url: str, env: dict[str, str]) -> None:
     console.print(f"[green]✓[/] work pool {POOL} created in {time.time() - t0:.1f} s")
 
 
-def _user_env(urls: dict[str, str], creds: dict[str, str]) -> dict[str, str]:
+def _ray_jobs_url(ports: list[int]) -> str:
+    """The Ray Jobs API (the dashboard) of a head started with these ports."""
+    return f"http://{LOOPBACK}:{ports[2]}"
+
+
+def _user_env(urls: dict[str, str], creds: dict[str, str], state: dict | None = None) -> dict[str, str]:
     env = {**creds, "AWS_DEFAULT_REGION": REGION, "RAY_AUTH_MODE": "disabled"}
     if "s3" in urls:
         env.update(MLFLOW_S3_ENDPOINT_URL=urls["s3"], AWS_ENDPOINT_URL_S3=urls["s3"],
@@ -332,6 +339,9 @@ def _user_env(urls: dict[str, str], creds: dict[str, str]) -> dict[str, str]:
         env["MLFLOW_TRACKING_URI"] = urls["mlflow"]
     if "ray" in urls:
         env["RAY_ADDRESS"] = urls["ray"]
+        ray_rec = (state or {}).get("services", {}).get("ray") or {}
+        if ray_rec.get("ports"):  # the driver jobs of placement.driver=ray_job go here
+            env["RAY_API_SERVER_ADDRESS"] = _ray_jobs_url(ray_rec["ports"])
     return env
 
 
@@ -381,8 +391,12 @@ def start_stack(state_dir=DEFAULT_STATE_DIR, services=ALL_SERVICES, *,
         _start_one(sd, state, name, plan[name], user_env, opts)
     _wait_all(sd, state, [n for n in names if n != "worker"], creds, user_env, opts, timeout)
     urls.update({n: state["services"][n]["url"] for n in names if n != "worker"})
-    user_env = _user_env(urls, creds)  # now with Ray's real address
+    user_env = _user_env(urls, creds, state)  # now with Ray's real address and Jobs API
     _write_env_file(sd, user_env)
+    if "prefect" in names:
+        from infra import automations
+
+        automations.apply_to_server(urls["prefect"], HEARTBEAT_SECONDS)
     if "worker" in names:
         _ensure_pool(urls["prefect"], _service_env("worker", sd, user_env))
         if "worker" in plan:
@@ -509,62 +523,3 @@ def stack_status(state_dir=DEFAULT_STATE_DIR) -> list[dict]:
         rows.append({"service": name, "url": rec.get("url", ""), "pid": rec["pid"],
                      "alive": alive, "log": rec["log"], "note": rec.get("note", "")})
     return rows
-
-
-def status_table(state_dir=DEFAULT_STATE_DIR) -> Table:
-    table = Table(title=f"stack {state_dir}")
-    for col in ("service", "url", "pid", "alive", "log", "note"):
-        table.add_column(col, overflow="fold")  # fold, not "…": URLs and paths get copied
-    for row in stack_status(state_dir):
-        alive = "[green]yes[/]" if row["alive"] else "[red]no[/]"
-        table.add_row(row["service"], row["url"], str(row["pid"]), alive, row["log"], row["note"])
-    return table
-
-
-# ---------------------------------------------------------------- CLI
-
-stack_app = typer.Typer(help="Local services: Prefect server+worker, MLflow, S3 (moto), Ray head.",
-                        no_args_is_help=True)
-StateOpt = typer.Option(DEFAULT_STATE_DIR, "--state-dir", help="Where state, env file and logs go.")
-
-
-@stack_app.command()
-def up(state_dir: Path = StateOpt,
-       services: str = typer.Option(",".join(ALL_SERVICES), help="Comma-separated subset."),
-       ray_num_cpus: int = typer.Option(0, help="CPUs Ray may schedule on (0: all)."),
-       timeout: float = typer.Option(120.0, help="Seconds each service may take to get healthy.")):
-    """Start the missing services; those already alive are left as they are."""
-    try:
-        info = start_stack(state_dir, services, ray_num_cpus=ray_num_cpus or None, timeout=timeout)
-    except StackError as e:
-        console.print(f"[red]{e}\n[/]Stop what did start with `miles stack down`.")
-        raise typer.Exit(1)
-    Console().print(status_table(state_dir))
-    for name, note in info.notes.items():
-        console.print(f"[yellow]{name}: {note}")
-    console.print(f"source {info.state_dir / 'env'}")
-
-
-@stack_app.command()
-def down(state_dir: Path = StateOpt):
-    """Stop the services this stack started (and nothing else)."""
-    try:
-        stop_stack(state_dir)
-    except StackError as e:
-        console.print(f"[red]{e}")
-        raise typer.Exit(1)
-
-
-@stack_app.command()
-def status(state_dir: Path = StateOpt,
-           env: bool = typer.Option(False, "--env", help="Also show the env file, secrets masked.")):
-    """Show each service's url, pid, health and log."""
-    out = Console()
-    out.print(status_table(state_dir))
-    if env:
-        for key, value in sorted(mask_env(read_env_file(Path(state_dir))).items()):
-            out.print(f"{key}={value}", markup=False, highlight=False)
-
-
-if __name__ == "__main__":
-    stack_app()

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import shutil
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -31,14 +32,24 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def code_version() -> str:
-    """Package version plus the git commit when running from a checkout."""
+def git_commit() -> str | None:
+    """The code's commit: $MILES_GIT_COMMIT (images bake it in), else `git rev-parse HEAD` of
+    the checkout miles_core runs from, else None."""
+    if os.environ.get("MILES_GIT_COMMIT"):
+        return os.environ["MILES_GIT_COMMIT"]
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=5, cwd=Path(__file__).parent).stdout.strip()
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).parent)
     except (OSError, subprocess.TimeoutExpired):
-        commit = ""
-    return f"{miles_core.__version__}+{commit}" if commit else miles_core.__version__
+        return None
+    commit = done.stdout.strip() if done.returncode == 0 else ""
+    return commit or None
+
+
+def code_version() -> str:
+    """Package version plus the (short) git commit when known."""
+    commit = git_commit()
+    return f"{miles_core.__version__}+{commit[:7]}" if commit else miles_core.__version__
 
 
 def step_dir_name(step: int) -> str:

@@ -14,7 +14,12 @@ INFRA_ERROR_NAMES = {
 def is_infrastructure_error(exc: BaseException) -> bool:
     """Matched by class name (anywhere in the MRO) so that Ray, botocore and aiohttp need
     not be imported here."""
-    return bool({cls.__name__ for cls in type(exc).__mro__} & INFRA_ERROR_NAMES)
+    return names_infrastructure_error([cls.__name__ for cls in type(exc).__mro__])
+
+
+def names_infrastructure_error(mro_names: list[str]) -> bool:
+    """The same test on an exception known only by its class names (a Ray Job driver's record)."""
+    return bool(set(mro_names) & INFRA_ERROR_NAMES)
 
 
 def retry_infrastructure_only(task, task_run, state) -> bool:

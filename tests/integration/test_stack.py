@@ -11,15 +11,16 @@ import subprocess
 import uuid
 
 import psutil
+import requests
 import pytest
 from typer.testing import CliRunner
 
-from infra import stack
+from infra import stack, stack_cli
 
 LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1"}
 ENV_KEYS = {"PREFECT_API_URL", "MLFLOW_TRACKING_URI", "MLFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
             "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
-            "MILES_OBJECT_STORE_URI", "RAY_ADDRESS", "RAY_AUTH_MODE"}
+            "MILES_OBJECT_STORE_URI", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_API_SERVER_ADDRESS"}
 
 
 def test_status_output_masks_secrets(tmp_path):
@@ -32,7 +33,7 @@ def test_status_output_masks_secrets(tmp_path):
     stack._save_state(tmp_path, {"services": {"s3": {
         "pid": done.pid, "cmd": ["moto_server"], "log": str(tmp_path / "s3.log"),
         "url": "http://127.0.0.1:1"}}})
-    result = CliRunner().invoke(stack.stack_app, ["status", "--state-dir", str(tmp_path), "--env"])
+    result = CliRunner().invoke(stack_cli.stack_app, ["status", "--state-dir", str(tmp_path), "--env"])
     assert result.exit_code == 0, result.output
     assert secret not in result.output and key_id not in result.output
     assert "AWS_SECRET_ACCESS_KEY=****" in result.output
@@ -142,6 +143,32 @@ def test_prefect_client_sees_pool_and_worker(live_stack):
             workers = client.read_workers_for_work_pool(stack.POOL)
     assert pool.type == "process"
     assert any(w.name == stack.WORKER_NAME for w in workers)
+
+
+def test_ray_jobs_api_is_up_on_loopback(live_stack):
+    from ray.job_submission import JobSubmissionClient
+
+    address = live_stack.env["RAY_API_SERVER_ADDRESS"]
+    assert address.startswith("http://127.0.0.1:")
+    assert isinstance(JobSubmissionClient(address).list_jobs(), list)
+
+
+def test_crashed_run_automations_are_installed_once(live_stack):
+    from infra import automations
+
+    api = live_stack.env["PREFECT_API_URL"]
+    automations.apply_to_server(api, stack.HEARTBEAT_SECONDS)  # a second `stack up` replaces them, never duplicates
+
+    found = requests.post(f"{api}/automations/filter", json={}, timeout=10).json()
+    by_name = {a["name"]: a for a in found}
+    assert sorted(a["name"] for a in found) == sorted([automations.CRASH_NAME, automations.RESUME_NAME])
+    crash = by_name[automations.CRASH_NAME]
+    assert crash["trigger"]["posture"] == "Proactive" and crash["trigger"]["within"] == 3 * stack.HEARTBEAT_SECONDS
+    assert crash["actions"][0]["type"] == "change-flow-run-state" and crash["actions"][0]["state"] == "CRASHED"
+    resume = by_name[automations.RESUME_NAME]
+    assert resume["trigger"]["expect"] == ["prefect.flow-run.Crashed"]
+    assert resume["actions"][0]["type"] == "run-deployment" and resume["actions"][0]["source"] == "inferred"
+    assert "flow_run.parameters.resume_from" in resume["actions"][0]["parameters"]["resume_from"]
 
 
 def _running(pid: int) -> bool:
