@@ -31,7 +31,7 @@ def _as_hf_dir(local: Path, cfg: RunConfig, dest: Path) -> Path:
         raise FileNotFoundError(f"{local} has neither config.json (HF export) nor model.safetensors (checkpoint)")
     from miles_core.models import materialize_model
 
-    base, _ = materialize_model(cfg.model, Path(cfg.storage.work_dir) / "cache" / "models")
+    base, _ = materialize_model(cfg.model, cfg.storage.cache_dir("models"))
     dest.mkdir(parents=True, exist_ok=True)
     for path in base.iterdir():
         if path.is_file() and path.suffix != ".safetensors" and not path.name.endswith(".index.json"):
@@ -68,7 +68,7 @@ def rl_eval(checkpoint_uri: str, config_path: str = "configs/local.yaml",
     cfg = load_config(config_path, overrides or [])
     config = cfg.model_dump(mode="json")
     run_key = f"eval-{flow_run.id or int(time.time())}"
-    work = Path(cfg.storage.work_dir, "evals", run_key).resolve()
+    work = cfg.storage.work_path / "evals" / run_key
     uri, run_id = tracking.start_or_attach_run(cfg, run_key, {"miles.eval_of": checkpoint_uri})
     try:
         model_dir = fetch_model(checkpoint_uri, config, str(work))

@@ -99,29 +99,35 @@ def evaluate_greedy(engine, prompts: list[Prompt], reward: str, max_new_tokens: 
     return {"pass@1": result["pass@1"], "num_prompts": result["num_prompts"], "examples": examples}
 
 
-def evaluate_all(cfg: RunConfig, model_dir: str | Path, default_eval_path: str | Path,
-                 external_timeout_seconds: float = 3600) -> dict[str, dict[str, Any]]:
-    """{dataset name: result} for the held-out set ("heldout") and every eval.datasets entry."""
+def evaluate_all(cfg: RunConfig, model_dir: str | Path | None, default_eval_path: str | Path,
+                 external_timeout_seconds: float = 3600, engine: Any = None) -> dict[str, dict[str, Any]]:
+    """{dataset name: result} for the held-out set ("heldout") and every eval.datasets entry.
+
+    Generates on `engine` when given (e.g. the run's rollout engines), else on an engine
+    built from model_dir, or through eval.external_command.
+    """
     names = [d.name for d in cfg.eval.datasets]
     if HELDOUT in names or len(set(names)) != len(names):
         raise ValueError(f"eval.datasets names must be unique and not {HELDOUT!r} (the default held-out set): {names}")
-    if cfg.eval.mode == "external_command":
+    if engine is None and cfg.eval.mode == "external_command":
         if not cfg.eval.external_command:
             raise ValueError("eval.mode=external_command needs eval.external_command")
         with tempfile.TemporaryDirectory(prefix="miles-eval-") as tmp:
             metrics = run_external_eval(cfg.eval.external_command, str(model_dir), str(Path(tmp) / "eval.json"),
                                         external_timeout_seconds)
         return {HELDOUT: metrics}
-    from miles_core.rollout.engine import EmbeddedEngine  # torch + transformers: only when generating
+    if engine is None:
+        from miles_core.rollout.engine import EmbeddedEngine  # torch + transformers: only when generating
 
-    engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads)
+        engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads)
+    tokenizer = engine.tokenizer
     e = cfg.eval
     results = {HELDOUT: evaluate_dataset(
-        engine, read_prompts(default_eval_path, cfg.data, engine.tokenizer), cfg.rollout.reward,
+        engine, read_prompts(default_eval_path, cfg.data, tokenizer), cfg.rollout.reward,
         max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, pass_k=e.pass_k, seed=cfg.seed)}
     for ds in e.datasets:
         results[ds.name] = evaluate_dataset(
-            engine, read_prompts(ds.path, cfg.data, engine.tokenizer), ds.reward or cfg.rollout.reward,
+            engine, read_prompts(ds.path, cfg.data, tokenizer), ds.reward or cfg.rollout.reward,
             num_samples=ds.num_samples_per_prompt, temperature=ds.temperature, top_p=ds.top_p,
             max_new_tokens=ds.max_new_tokens or e.max_new_tokens, batch_size=e.batch_size,
             pass_k=e.pass_k, seed=cfg.seed)

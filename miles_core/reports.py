@@ -108,6 +108,22 @@ def sample_rollouts(results: dict | None, per_dataset: int = MAX_SAMPLES_PER_DAT
     return rows
 
 
+def eval_metrics(phase: str, results: dict | None) -> dict[str, float]:
+    """{eval/<phase>/<dataset>/pass_at_k: value} for every pass@k / avg@n of every dataset."""
+    return {metric_key(phase, name, m): v for name, r in by_dataset(results).items() for m, v in _metrics(r).items()}
+
+
+def periodic_points(evals: list[dict[str, float]], phase: str = "periodic") -> dict[str, list[tuple[int, float]]]:
+    """{dataset: [(step, pass@1)]} from periodic eval rows {"step": s, metric_key(...): value}."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    prefix, suffix = f"eval/{phase}/", "/pass_at_1"
+    for row in evals:
+        for key, value in row.items():
+            if key.startswith(prefix) and key.endswith(suffix):
+                points.setdefault(key[len(prefix):-len(suffix)], []).append((int(row["step"]), float(value)))
+    return points
+
+
 def metric_key(phase: str, dataset: str, metric: str) -> str:
     """MLflow metric names cannot contain '@': eval/<phase>/<dataset>/pass_at_k."""
     return f"eval/{phase}/{dataset}/{metric.replace('@', '_at_')}"
@@ -115,7 +131,7 @@ def metric_key(phase: str, dataset: str, metric: str) -> str:
 
 def log_eval_metrics(tracking_uri: str, run_id: str, phase: str, results: dict | None, step: int) -> dict[str, float]:
     """Every pass@k / avg@n of every dataset as an MLflow metric at `step`; returns them."""
-    metrics = {metric_key(phase, name, m): v for name, r in by_dataset(results).items() for m, v in _metrics(r).items()}
+    metrics = eval_metrics(phase, results)
     client = client_for(tracking_uri)
     for key, value in metrics.items():
         client.log_metric(run_id, key, value, step=step)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
+from contextlib import contextmanager
 from typing import Any
 
 import mlflow
@@ -22,7 +22,7 @@ def tracking_uri(cfg: RunConfig) -> str:
         return cfg.tracking.tracking_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{Path(cfg.storage.work_dir).resolve() / 'mlflow.db'}"
+    return f"sqlite:///{cfg.storage.work_path / 'mlflow.db'}"
 
 
 def client_for(uri: str) -> MlflowClient:
@@ -52,7 +52,7 @@ def start_or_attach_run(cfg: RunConfig, run_key: str, tags: dict[str, str]) -> t
     if experiment is None:
         artifact_root = None
         if uri.startswith("sqlite:"):
-            artifact_root = (Path(cfg.storage.work_dir).resolve() / "mlartifacts").as_uri()
+            artifact_root = (cfg.storage.work_path / "mlartifacts").as_uri()
         experiment_id = client.create_experiment(cfg.tracking.experiment_name, artifact_location=artifact_root)
     else:
         experiment_id = experiment.experiment_id
@@ -65,6 +65,23 @@ def start_or_attach_run(cfg: RunConfig, run_key: str, tags: dict[str, str]) -> t
     for start in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[start : start + 100])
     return uri, run.info.run_id
+
+
+@contextmanager
+def system_metrics(uri: str, run_id: str, interval_seconds: float):
+    """MLflow's system metrics (system/cpu_utilization_percentage, memory, disk, network, and
+    GPU ones where a GPU is visible) sampled while the block runs; steps continue on resume."""
+    if interval_seconds <= 0:
+        yield
+        return
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_seconds, resume_logging=True, tracking_uri=uri)
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
 
 
 class MetricsLogger:

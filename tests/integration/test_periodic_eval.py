@@ -1,0 +1,61 @@
+"""Periodic evaluation during training, on the rollout engines and on dedicated engines."""
+
+import pytest
+import ray
+
+from miles_core.config import build_config
+from miles_core.data import write_arithmetic_task
+from miles_core.evaluation import evaluate_all
+from miles_core.train import TrainSpec, run_training
+
+KEY = "eval/periodic/heldout/pass_at_1"
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def run(tmp_path, tiny_model_dir, name, overrides):
+    train, heldout = write_arithmetic_task(build_config({}).data.builtin, tmp_path / "data")
+    cfg = build_config({}, ["training.num_steps=4", "checkpoint.interval_steps=2", "eval.interval_steps=2",
+                            "rollout.num_prompts_per_step=8", "rollout.num_samples_per_prompt=4",
+                            "training.num_threads=1", *overrides])
+    events = []
+    result = run_training(
+        TrainSpec(cfg.model_dump(mode="json"), str(tiny_model_dir), str(train), str(tmp_path / name),
+                  eval_path=str(heldout)),
+        on_metrics=lambda step, m: events.extend(("eval", step) for k in m if k == KEY),
+        on_checkpoint=lambda step: events.append(("checkpoint", step)))
+    return cfg, heldout, result, events
+
+
+def final_export_score(cfg, heldout, result):
+    return evaluate_all(cfg, result.hf_export_dir, heldout)["heldout"]["pass@1"]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.loop=sync"],
+    ["rollout.loop=fully_async", "eval.periodic_engines=dedicated",
+     "algorithm.correction.kind=tis"],
+], ids=["rollout-engines-sync", "dedicated-engines-async"])
+def test_periodic_eval_scores_the_step_weights_and_is_durable_with_its_checkpoint(
+        ray_local, tmp_path, tiny_model_dir, overrides):
+    cfg, heldout, result, events = run(tmp_path, tiny_model_dir, "run", overrides)
+    assert [row["step"] for row in result.periodic_eval] == [2, 4]
+    # Each step's eval is handed to the metrics logger before that step's checkpoint flushes it.
+    assert events == [("eval", 2), ("checkpoint", 2), ("eval", 4), ("checkpoint", 4)]
+    # Greedy decoding of the final weights: the in-training eval equals a fresh eval of the export.
+    assert result.periodic_eval[-1][KEY] == pytest.approx(final_export_score(cfg, heldout, result), abs=1e-9)
+    assert 0.0 <= result.periodic_eval[0][KEY] <= 1.0
+
+
+def test_no_eval_path_means_no_periodic_eval(ray_local, tmp_path, tiny_model_dir):
+    train, _ = write_arithmetic_task(build_config({}).data.builtin, tmp_path / "data")
+    cfg = build_config({}, ["training.num_steps=2", "eval.interval_steps=1", "rollout.num_prompts_per_step=4",
+                            "rollout.num_samples_per_prompt=2", "training.num_threads=1"])
+    result = run_training(TrainSpec(cfg.model_dump(mode="json"), str(tiny_model_dir), str(train),
+                                    str(tmp_path / "run")))
+    assert result.steps == 2 and result.periodic_eval == []
