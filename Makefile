@@ -21,7 +21,7 @@ plan: install
 	$(BIN)/miles plan $(CONFIG)
 
 test: install
-	$(BIN)/pytest tests --ignore=tests/gpu --basetemp=.pytest-tmp
+	$(BIN)/pytest tests --ignore=tests/gpu --basetemp=.pytest-tmp --durations=25
 
 test-unit: install
 	$(BIN)/pytest tests/unit

@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=2, help="warm-up steps dropped from each run")
     p.add_argument("--repeats", type=int, default=1, help="rounds of sync then one_step_off")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each actor")
-    p.add_argument("--sft-steps", type=int, default=200, help="SFT warm-up steps (0 = random model)")
+    p.add_argument("--sft-steps", type=int, default=250, help="SFT warm-up steps (0 = random model)")
     p.add_argument("--transport-steps", type=int, default=6, help="steps of each extra transport run")
     p.add_argument("--transports", default="broadcast", help="extra transports to time (comma list; '' = none)")
     p.add_argument("--copy-reps", type=int, default=50, help="repetitions of the plain-copy baseline")

@@ -267,7 +267,7 @@ def main(argv=None) -> dict:
     if args.mode == "ray" and no_ray:
         raise SystemExit("--mode ray needs Ray; use --mode inprocess on this machine")
     if args.sft_steps is None:
-        args.sft_steps = 200 if args.model == "tiny" else 0
+        args.sft_steps = 250 if args.model == "tiny" else 0
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     model_dir, train_path = c.prepare_model(args.model, work), c.prepare_data(work)

@@ -133,6 +133,11 @@ class Sample:
     """Per response token 1/0 (empty = train on every response token); multi-turn SFT masks."""
     weight_version: str = "0"
     finish_reason: str = "stop"
+    routed_experts: Any = None
+    """MoE routing replay: the experts the engine routed each token to, an int32 array
+    [len(prompt_ids) + len(response_ids) - 1, num_layers, top_k] (SGLang's layout; its flat
+    buffer arrives as [..., num_layers * top_k] and the trainer, which knows the model,
+    reshapes). None when the engine was not asked for them."""
 
 
 def _conversation_sample(prompt: Prompt, tokenizer) -> Sample:

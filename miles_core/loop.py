@@ -23,6 +23,7 @@ from miles_core import algorithms as algo
 from miles_core import checkpoint as ckpt
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, Sample, sft_samples
+from miles_core.periodic_eval import PeriodicEvaluator
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.router import NoHealthyEngine
 from miles_core.schedules import SCHEDULES, RolloutBatch, timed
@@ -37,6 +38,8 @@ class LoopState:
     step: int = 0
     weight_version: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    periodic_eval: list[dict[str, float]] = field(default_factory=list)
+    """{"step": s, eval/periodic/...: value} per periodic evaluation of this attempt."""
 
 
 def collect_rollouts(cfg: RunConfig, manager: RolloutManager, source: PromptSource, seed: int
@@ -125,8 +128,14 @@ def train_on(cfg: RunConfig, trainer: Any, batch: RolloutBatch) -> dict[str, flo
 def run_loop(cfg: RunConfig, trainer: Any, engines: Any, transport: WeightTransport,
              source: PromptSource, run_dir: Path, state: LoopState, tokenizer: Any,
              on_metrics: MetricsFn, on_checkpoint: Callable[[int], None],
-             on_step: Callable[[LoopState], None] = lambda s: None) -> LoopState:
-    manager = RolloutManager(engines, cfg.rollout, cfg.rollout.reward)
+             on_step: Callable[[LoopState], None] = lambda s: None,
+             evaluator: PeriodicEvaluator | None = None) -> LoopState:
+    manager = RolloutManager(engines, cfg.rollout, cfg.rollout.reward, return_routed_experts=cfg.routing_replay)
+
+    def record_evals(wait: bool) -> None:
+        for step, metrics in (evaluator.collect(wait) if evaluator else {}).items():
+            state.periodic_eval.append({"step": step, **metrics})
+            on_metrics(step, metrics)
 
     def recover(version: int) -> None:
         engines.heal()
@@ -144,12 +153,16 @@ def run_loop(cfg: RunConfig, trainer: Any, engines: Any, transport: WeightTransp
             with schedule.hold_engines():  # no generation runs while weights change
                 metrics["rollout/engine_restarts"] = float(len(engines.heal()))
                 metrics |= transport.push(trainer, engines.targets(), state.weight_version)
+                if evaluator and evaluator.due(state.step):  # rollout engines are held: rollout pauses
+                    evaluator.run(state.step, state.weight_version, engines)
             metrics |= {"time/rollout_seconds": batch.seconds, "time/rollout_wait_seconds": waited,
                         "time/step_seconds": time.perf_counter() - started,
                         "rollout/weight_version": float(batch.version)}
             state.history.append({"step": state.step, **metrics})
             on_metrics(state.step, metrics)
-            if state.step % cfg.checkpoint.interval_steps == 0 or state.step == cfg.training.num_steps:
+            checkpoint_due = state.step % cfg.checkpoint.interval_steps == 0 or state.step == cfg.training.num_steps
+            record_evals(wait=checkpoint_due)  # an eval becomes durable with the checkpoint after its step
+            if checkpoint_due:
                 save(cfg, trainer, run_dir, state, batch.cursor)
                 on_checkpoint(state.step)
             on_step(state)

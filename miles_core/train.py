@@ -1,15 +1,13 @@
 """Training driver: builds the actors, resumes from the latest checkpoint, runs the loop.
 
-This is what a Ray Job runs on a cluster (`python -m miles_core.train --spec spec.json`)
-and what the flow's train task calls inline in local mode.
+miles_core.driver wraps it with metric logging and checkpoint uploads; the flow's train task
+runs that inline or as a Ray Job (placement.driver).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -20,9 +18,10 @@ from miles_core import checkpoint as ckpt
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, read_prompts
 from miles_core.loop import LoopState, MetricsFn, run_loop
-from miles_core.placement import Placement
+from miles_core.periodic_eval import PeriodicEvaluator
+from miles_core.placement import Placement, bundles
 from miles_core.rollout.engine_group import EngineGroup
-from miles_core.training.fsdp import FSDPTrainer
+from miles_core.trainer_group import kill_trainer, start_trainer_group
 from miles_core.weights import make_transport
 
 log = logging.getLogger(__name__)
@@ -37,6 +36,11 @@ class TrainSpec:
     train_path: str
     run_dir: str
     teacher_dir: str | None = None
+    eval_path: str | None = None
+    """Held-out prompts of periodic evaluation (eval.interval_steps); None disables it."""
+    megatron_dir: str | None = None
+    """Converted torch_dist directory (convert-checkpoint stage) the Megatron trainer starts
+    from; None starts it from model_dir's HF weights (fsdp2 always reads model_dir)."""
 
 
 @dataclass
@@ -46,14 +50,41 @@ class TrainResult:
     final_checkpoint_dir: str
     hf_export_dir: str
     history: list[dict]
+    periodic_eval: list[dict] = field(default_factory=list)
 
 
-def start_actors(cfg: RunConfig, model_dir: str, teacher_dir: str | None = None):
+def _fsdp_trainer(megatron_dir: str | None) -> tuple[type, dict]:
+    from miles_core.training.fsdp import FSDPTrainer
+
+    return FSDPTrainer, {}
+
+
+def _megatron_trainer(megatron_dir: str | None) -> tuple[type, dict]:
+    # Imported only for this backend: megatron-core is an optional extra.
+    from miles_core.training.megatron.trainer import MegatronTrainer
+
+    return MegatronTrainer, {"megatron_ckpt": megatron_dir}
+
+
+# training.backend -> (trainer class, backend-only constructor kwargs); both speak one protocol.
+TRAINER_BACKENDS: dict[str, Callable[[str | None], tuple[type, dict]]] = {
+    "fsdp2": _fsdp_trainer,
+    "megatron": _megatron_trainer,
+}
+
+
+def start_actors(cfg: RunConfig, model_dir: str, teacher_dir: str | None = None, megatron_dir: str | None = None):
     layout = Placement(cfg)
-    trainer_cls = ray.remote(num_cpus=cfg.training.cpus_per_trainer, num_gpus=cfg.training.gpus_per_trainer)(FSDPTrainer)
-    trainer = trainer_cls.options(**layout.trainer(0)).remote(
-        model_dir, cfg.training, cfg.algorithm, cfg.rollout.temperature, cfg.rollout.max_new_tokens, cfg.seed,
-        cfg.rollout.num_samples_per_prompt, teacher_dir)
+    trainer_type, backend_kwargs = TRAINER_BACKENDS[cfg.training.backend](megatron_dir)
+    t = cfg.training
+    args = (model_dir, cfg.training, cfg.algorithm, cfg.rollout.temperature, cfg.rollout.max_new_tokens, cfg.seed,
+            cfg.rollout.num_samples_per_prompt, teacher_dir)
+    if t.world_size == 1:
+        trainer_cls = ray.remote(num_cpus=t.cpus_per_trainer, num_gpus=t.gpus_per_trainer)(trainer_type)
+        trainer = trainer_cls.options(**layout.trainer(0)).remote(*args, **backend_kwargs)
+    else:  # Megatron tp * ep > 1: one actor per rank, driven as one handle
+        trainer = start_trainer_group(trainer_type, t.world_size, layout.trainer, bundles(cfg)[0], args,
+                                      backend_kwargs)
     engines = EngineGroup(cfg, model_dir, scheduling=layout.engine)
     ray.get(trainer.__ray_ready__.remote())
     return layout, trainer, engines
@@ -66,17 +97,20 @@ def run_training(spec: TrainSpec, on_metrics: MetricsFn = lambda step, m: None,
     run_dir = Path(spec.run_dir)
     tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
     source = PromptSource(read_prompts(spec.train_path, cfg.data, tokenizer), seed=cfg.seed)
-    layout, trainer, engines = start_actors(cfg, spec.model_dir, spec.teacher_dir)
+    layout, trainer, engines = start_actors(cfg, spec.model_dir, spec.teacher_dir, spec.megatron_dir)
+    evaluator = PeriodicEvaluator(cfg, spec.model_dir, spec.eval_path, trainer, run_dir, tokenizer)
     try:
-        return _resume_and_loop(cfg, run_dir, source, tokenizer, trainer, engines, on_metrics, on_checkpoint, on_step)
+        return _resume_and_loop(cfg, run_dir, source, tokenizer, trainer, engines, on_metrics, on_checkpoint, on_step,
+                                evaluator)
     finally:  # a failed attempt must not leave actors holding CPUs/GPUs for the retry
+        evaluator.close()
         engines.shutdown()
-        ray.kill(trainer)
+        kill_trainer(trainer)
         layout.release()
 
 
 def _resume_and_loop(cfg: RunConfig, run_dir: Path, source: PromptSource, tokenizer, trainer, engines,
-                     on_metrics, on_checkpoint, on_step) -> TrainResult:
+                     on_metrics, on_checkpoint, on_step, evaluator: PeriodicEvaluator) -> TrainResult:
     checkpoints = run_dir / "checkpoints"
     r = cfg.rollout
     transport = make_transport(r.weight_transport, str(run_dir), r.broadcast_bucket_megabytes, r.verify_weight_sync)
@@ -93,25 +127,9 @@ def _resume_and_loop(cfg: RunConfig, run_dir: Path, source: PromptSource, tokeni
     else:
         ckpt.discard_after(checkpoints, -1)
     state = run_loop(cfg, trainer, engines, transport, source, run_dir, state, tokenizer,
-                          on_metrics, on_checkpoint, on_step)
+                     on_metrics, on_checkpoint, on_step, evaluator)
     export_dir = run_dir / "hf_export"
     ray.get(trainer.export_hf.remote(str(export_dir)))
     final = ckpt.latest_complete_checkpoint(checkpoints)
     return TrainResult(steps=state.step, resumed_from_step=resumed_from, final_checkpoint_dir=str(final[1]),
-                       hf_export_dir=str(export_dir), history=state.history)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Run the RL training driver from a spec file.")
-    parser.add_argument("--spec", required=True, help="JSON file with a TrainSpec")
-    parser.add_argument("--result", required=True, help="where to write the TrainResult JSON")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO)
-    spec = TrainSpec(**json.loads(Path(args.spec).read_text()))
-    ray.init(address="auto", ignore_reinit_error=True)
-    result = run_training(spec)
-    Path(args.result).write_text(json.dumps(asdict(result)))
-
-
-if __name__ == "__main__":
-    main()
+                       hf_export_dir=str(export_dir), history=state.history, periodic_eval=state.periodic_eval)

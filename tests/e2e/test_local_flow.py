@@ -84,6 +84,11 @@ def test_mlflow_has_params_metrics_and_model_version(finished_run):
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "rollout/reward_mean")]
     assert steps == list(range(1, 121))
     assert run.data.metrics["eval/after_pass_at_1"] == pytest.approx(summary["eval"]["after"])
+    assert run.data.metrics["system/cpu_utilization_percentage"] >= 0  # MLflow's system metrics
+    assert len(client.get_metric_history(run.info.run_id, "system/system_memory_usage_megabytes")) >= 2
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert run.data.tags["miles.git_commit"] == (commit or "unknown")
+    assert run.data.tags["miles.config_digest"] and run.data.tags["miles.run_key"] == summary["run_key"]
     version = client.get_model_version_by_alias(summary["mlflow"]["model_name"], "candidate")
     assert str(version.version) == str(summary["model_version"]) and version.run_id == run.info.run_id
 
