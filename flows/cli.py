@@ -22,7 +22,7 @@ console = Console()
 
 
 def _register_stack() -> None:
-    from infra.stack import stack_app
+    from infra.stack_cli import stack_app
 
     from infra.k8s import k8s_app
 
@@ -45,6 +45,7 @@ def local_environment(work_dir: str) -> None:
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "PREFECT_LOGGING_LEVEL": "INFO",
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "miles_core",  # the driver's checkpoint/upload lines
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false",
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -55,6 +56,13 @@ def local_environment(work_dir: str) -> None:
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    if "prefect" in sys.modules:  # Prefect reads its settings once, at import
+        from prefect.settings import get_current_settings
+
+        home = Path(get_current_settings().home).resolve()
+        if home != Path(os.environ["PREFECT_HOME"]).resolve():
+            raise RuntimeError(f"Prefect was imported before local_environment({work_dir!r}): it uses {home}, "
+                               "not the work dir's prefect/ (import Prefect after calling local_environment)")
 
 
 def _load(config: Path, overrides: list[str]) -> RunConfig:
@@ -70,7 +78,8 @@ def layout_rows(cfg: RunConfig) -> list[tuple[str, str]]:
     ray_target = cfg.placement.ray_address or "local Ray (started in-process)"
     return [
         ("ray", ray_target),
-        ("trainer", f"1 x {cfg.training.backend} actor: {cfg.training.cpus_per_trainer:g} CPU{gpu(cfg.training.gpus_per_trainer)}"),
+        ("trainer", f"{cfg.training.world_size} x {cfg.training.backend} rank actor(s), in all "
+                    f"{cfg.training.cpus_per_trainer:g} CPU{gpu(cfg.training.gpus_per_trainer)}"),
         ("rollout", f"{cfg.rollout.num_engines} x {cfg.rollout.engine} engine: {cfg.rollout.cpus_per_engine:g} CPU"
                     f"{gpu(cfg.rollout.gpus_per_engine)} each"),
         ("batch", f"{cfg.rollout.num_prompts_per_step} prompts x {cfg.rollout.num_samples_per_prompt} samples, "
@@ -101,6 +110,12 @@ def plan(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/loca
     for row in layout_rows(cfg):
         layout.add_row(*row)
     console.print(layout)
+    from miles_core.memory import describe_estimate  # only `plan` needs it
+
+    memory = Table("what", "estimate", title="trainer memory per GPU (see miles_core/memory.py for what it counts)")
+    for row in describe_estimate(cfg):
+        memory.add_row(*row)
+    console.print(memory)
     console.print("stages: " + " -> ".join(STAGES))
 
 

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger
+from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import deployment, flow_run
 
-from miles_core import reports, tracking
+from miles_core import checkpoint as ckpt
+from miles_core import ray_jobs, reports, tracking
 from miles_core.config import RunConfig, load_config
 from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, sft_warmup
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate
 from tasks.promote import PromotionRolledBack, promote
 from tasks.publish import register_model, upload_artifacts
-from tasks.train import train
+from tasks.train import jobs_client, train
 
 
 class StageTimer:
@@ -34,15 +37,9 @@ class StageTimer:
 
 
 def store_uri(cfg: RunConfig) -> str:
-    return cfg.storage.object_store_uri or Path(cfg.storage.work_dir, "store").resolve().as_uri()
-
-
-def _cached_dir(task, **kwargs) -> dict:
-    """Run a cached artifact task; refresh the cache entry if its directory was deleted."""
-    result = task(**kwargs)
-    if not Path(result["model_dir"]).is_dir():
-        result = task.with_options(refresh_cache=True)(**kwargs)
-    return result
+    """The recipe's object store, else the environment's (`miles stack up` sets it), else local."""
+    return (cfg.storage.object_store_uri or os.environ.get("MILES_OBJECT_STORE_URI")
+            or (cfg.storage.work_path / "store").as_uri())
 
 
 def _promote(cfg: RunConfig, uri: str, version: str) -> dict:
@@ -58,48 +55,64 @@ def _promote(cfg: RunConfig, uri: str, version: str) -> dict:
         return {"promoted": False, "reason": "rolled back", "error": str(exc), "version": version}
 
 
-@flow(name="rl-posttrain", log_prints=True)
+def _run_key(resume_from: str | None, flow_run_id) -> str:
+    """The run's durable identity: the run it resumes, else this flow run."""
+    return resume_from or str(flow_run_id or f"local-{int(time.time())}")
+
+
+def _stop_driver_jobs(flow, flow_run, state) -> None:
+    """on_cancellation: a driver Ray Job must not go on training after its flow run."""
+    params = flow_run.parameters
+    cfg = load_config(params.get("config_path", "configs/local.yaml"), params.get("overrides") or [])
+    if cfg.placement.driver == "ray_job":
+        stopped = ray_jobs.stop_live(jobs_client(cfg.placement), _run_key(params.get("resume_from"), flow_run.id))
+        flow_run_logger(flow_run, flow).info("flow run cancelled: stopped driver jobs %s", stopped)
+
+
+@flow(name="rl-posttrain", log_prints=True, on_cancellation=[_stop_driver_jobs])
 def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] | None = None,
                  resume_from: str | None = None, run_dir: str | None = None) -> dict:
     """RL post-training of one recipe, durable stage by stage; returns the run summary."""
     cfg = load_config(config_path, overrides or [])
     config = cfg.model_dump(mode="json")
-    run_key = resume_from or str(flow_run.id or f"local-{int(time.time())}")
-    run_path = Path(run_dir or Path(cfg.storage.work_dir, "runs", run_key)).resolve()
+    run_key = _run_key(resume_from, flow_run.id)
+    run_path = Path(run_dir).resolve() if run_dir else cfg.storage.work_path / "runs" / run_key
     run_path.mkdir(parents=True, exist_ok=True)
     (run_path / "config.resolved.json").write_text(json.dumps(config, indent=1))
     (run_path / "RUN_KEY").write_text(run_key)
     uri, mlflow_run = tracking.start_or_attach_run(cfg, run_key, {
-        "miles.flow_run_id": str(flow_run.id), "miles.deployment": str(deployment.name or "none")})
+        "miles.flow_run_id": str(flow_run.id), "miles.deployment": str(deployment.name or "none"),
+        "miles.git_commit": ckpt.git_commit() or "unknown"})
     timer = StageTimer()
     with timer("prepare_model"):
-        model = _cached_dir(prepare_model, config=config)
+        model = prepare_model(config=config)
     with timer("prepare_data"):
         data = prepare_data(config=config)
-        if not all(Path(p).is_file() for p in data.values()):  # cached entry whose files were deleted
-            data = prepare_data.with_options(refresh_cache=True)(config=config)
     with timer("ensure_ray"):
         ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir)
     with timer("sft_warmup"):
-        policy = _cached_dir(sft_warmup, config=config, model=model, data=data)
+        policy = sft_warmup(config=config, model=model, data=data)
     with timer("convert"):
         converted = convert_checkpoint(config=config, model=policy)
     with timer("eval_before"):
         before = evaluate(config, policy["model_dir"], data["eval_path"], "before")
     tracking.log_eval(uri, mlflow_run, "before", before["heldout"], step=0)
     reports.log_eval_metrics(uri, mlflow_run, "before", before, step=0)
-    spec = {"config": config, "model_dir": converted["model_dir"], "train_path": data["train_path"],
-            "run_dir": str(run_path)}
+    spec = {"config": config, "model_dir": converted["model_dir"], "megatron_dir": converted["megatron_dir"],
+            "train_path": data["train_path"], "run_dir": str(run_path), "eval_path": data["eval_path"],
+            "store_uri": store_uri(cfg), "run_key": run_key}
     with timer("train"):
         result = train(spec, uri, mlflow_run)
     with timer("upload"):
-        uploaded = upload_artifacts(store_uri(cfg), run_key, result["final_checkpoint_dir"], result["hf_export_dir"])
+        uploaded = upload_artifacts(store_uri(cfg), run_key, result["final_checkpoint_dir"], result["hf_export_dir"],
+                                    config["checkpoint"])
     with timer("eval_after"):
         after = evaluate(config, result["hf_export_dir"], data["eval_path"], "after")
     tracking.log_eval(uri, mlflow_run, "after", after["heldout"], step=result["steps"])
     reports.log_eval_metrics(uri, mlflow_run, "after", after, step=result["steps"])
     reward_curve = [round(h["rollout/reward_mean"], 4) for h in result["history"]]
-    reports.log_report(uri, mlflow_run, before, after, reward_curve, final_step=result["steps"])
+    periodic = reports.periodic_points(result.get("periodic_eval", []))
+    reports.log_report(uri, mlflow_run, before, after, reward_curve, periodic, final_step=result["steps"])
     with timer("register"):
         version = register_model(uri, mlflow_run, cfg.tracking.registered_model_name, result["hf_export_dir"],
                                  {"run_key": run_key, "checkpoint_uri": uploaded["checkpoint_uri"],
@@ -116,7 +129,7 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
         "checkpoint_uri": uploaded["checkpoint_uri"], "hf_export_uri": uploaded["hf_export_uri"],
         "hf_export_dir": result["hf_export_dir"], "model_version": version, "data": data,
         "mlflow": {"tracking_uri": uri, "run_id": mlflow_run, "model_name": cfg.tracking.registered_model_name},
-        "reward_curve": reward_curve,
+        "reward_curve": reward_curve, "periodic_eval": periodic,
         "timings": timer.seconds,
     }
     (run_path / "summary.json").write_text(json.dumps(summary, indent=1))

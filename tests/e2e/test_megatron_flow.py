@@ -1,0 +1,115 @@
+"""The rl-posttrain flow on the Megatron backend (configs/local-megatron.yaml, CPU through the
+compat layer): held-out accuracy rises, and the convert-checkpoint stage is cached.
+
+One driver process runs the flow twice (one Prefect server and one Ray for both, which saves
+~40 s over two `miles run` processes), then deletes the converted directory and runs the
+stage again, which must refresh its cache entry. Kept short: SFT warm-up 260 steps (the tiny
+task's accuracy jumps between ~200 and ~300 steps; 260 starts RL at ~0.4, where GRPO has both
+signal and room) and 40 RL steps.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.e2e
+
+RECIPE = REPO / "configs/local-megatron.yaml"
+FAST = ["training.num_steps=40"]
+MARK = "=== megatron-flow-test:"
+
+
+def _manifest(work: Path) -> Path:
+    (manifest,) = (work / "cache" / "megatron").glob("*/MANIFEST.json")
+    return manifest
+
+
+def drive(work: str, out_json: str) -> None:
+    """Run in a subprocess: two flow runs, then a refresh of the deleted conversion."""
+    from flows.cli import local_environment
+
+    local_environment(work)
+    import shutil
+
+    from prefect import flow
+
+    from flows.rl_posttrain import rl_posttrain
+    from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, sft_warmup
+
+    work_path = Path(work)
+    overrides = [f"storage.work_dir={work}", *FAST]
+    print(f"{MARK} run 1", flush=True)
+    first = rl_posttrain(str(RECIPE), overrides, run_dir=str(work_path / "run1"))
+    manifest = _manifest(work_path)
+    stamp = manifest.stat().st_mtime_ns
+    print(f"{MARK} run 2", flush=True)
+    second = rl_posttrain(str(RECIPE), overrides + ["training.num_steps=1"], run_dir=str(work_path / "run2"))
+    reused = _manifest(work_path) == manifest and manifest.stat().st_mtime_ns == stamp
+    shutil.rmtree(manifest.parent)
+    print(f"{MARK} refresh", flush=True)
+
+    @flow(name="megatron-convert-refresh")
+    def convert_again() -> dict:
+        from miles_core.config import load_config
+
+        config = load_config(RECIPE, overrides).model_dump(mode="json")
+        data = prepare_data(config=config)
+        policy = sft_warmup(config=config, model=prepare_model(config=config), data=data)  # cached
+        return convert_checkpoint(config=config, model=policy)
+
+    refreshed = convert_again()
+    Path(out_json).write_text(json.dumps({"first": first, "second": second, "reused": reused,
+                                          "refreshed": refreshed}))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("megatron-work")
+    out = work / "result.json"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    code = f"from tests.e2e.test_megatron_flow import drive; drive({str(work)!r}, {str(out)!r})"
+    # one stream, so that the run markers and Prefect's log lines stay in order
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=900)
+    (work / "driver.log").write_text(proc.stdout)  # kept for debugging a failed assertion
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return work, json.loads(out.read_text()), proc.stdout
+
+
+def _section(output: str, name: str) -> str:
+    return output.split(f"{MARK} {name}")[1].split(MARK)[0]
+
+
+def test_megatron_training_raises_heldout_accuracy(runs):
+    _, result, _ = runs
+    first = result["first"]
+    assert first["status"] == "completed" and first["steps"] == 40
+    assert first["eval"]["after"] - first["eval"]["before"] >= 0.10, first["eval"]
+    resolved = json.loads((Path(first["run_dir"]) / "config.resolved.json").read_text())
+    assert resolved["training"]["backend"] == "megatron"
+
+
+def test_conversion_is_cached_across_runs(runs):
+    work, result, output = runs
+    assert result["reused"], "the second run rewrote the converted checkpoint"
+    second_run = _section(output, "run 2")
+    assert "convert-checkpoint" in second_run
+    cached = [line for line in second_run.splitlines() if "convert-checkpoint" in line and "Finished in state" in line]
+    assert cached and all("Cached" in line for line in cached), cached
+
+
+def test_deleted_conversion_is_refreshed(runs):
+    work, result, output = runs
+    refreshed = result["refreshed"]
+    megatron_dir = Path(refreshed["megatron_dir"])
+    assert refreshed["converted"] and refreshed["model_dir"] != refreshed["megatron_dir"]
+    assert (megatron_dir / "MANIFEST.json").is_file() and (megatron_dir / "torch_dist").is_dir()
+    assert "converted " in _section(output, "refresh")
