@@ -36,7 +36,7 @@ def describe(cfg: RunConfig) -> list[tuple[str, str]]:
         m = t.megatron
         actors = "one trainer actor" if t.world_size == 1 else f"a group of {t.world_size} trainer actors"
         parallel = (f"megatron tp={m.tensor_parallel_size} pp={m.pipeline_parallel_size} "
-                    f"cp={m.context_parallel_size} ep={m.expert_parallel_size} dp=1 ({actors}), "
+                    f"cp={m.context_parallel_size} ep={m.expert_parallel_size} dp={m.expert_parallel_size} ({actors}), "
                     f"recompute {'on' if m.recompute_activations else 'off'}")
     else:
         parallel = "fsdp2, one rank (one trainer actor, nothing sharded)"

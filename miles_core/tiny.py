@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
 from typing import TYPE_CHECKING
 
@@ -65,10 +65,26 @@ def build_tiny_model(shape: "TinyModelConfig", out_dir: str | Path) -> Path:
     return save_random_model(config, tokenizer, out_dir, shape.seed)
 
 
-def save_random_model(config: Qwen3Config, tokenizer, out_dir: str | Path, seed: int) -> Path:
+def build_tiny_moe_model(shape: "TinyModelConfig", out_dir: str | Path, num_experts: int = 4,
+                         experts_per_token: int = 2) -> Path:
+    """The tiny model's shape as a Qwen3-MoE (every layer's MLP a set of small experts) + its
+    tokenizer: for routing replay and expert parallelism without a downloaded MoE."""
+    tokenizer = build_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        moe_intermediate_size=max(shape.intermediate_size // num_experts, 8), num_experts=num_experts,
+        num_experts_per_tok=experts_per_token, norm_topk_prob=True, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.hidden_size // shape.num_attention_heads, max_position_embeddings=256,
+        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, torch_dtype="float32")
+    return save_random_model(config, tokenizer, out_dir, shape.seed)
+
+
+def save_random_model(config: PretrainedConfig, tokenizer, out_dir: str | Path, seed: int) -> Path:
     """Randomly initialise `config` with `seed` and save it with its tokenizer as an HF dir."""
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -20,3 +20,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from miles_core.tiny import build_tiny_model
 
     return build_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory) -> Path:
+    """The tiny model's shape as a Qwen3-MoE with 4 experts, top-2 (random weights)."""
+    from miles_core.config import TinyModelConfig
+    from miles_core.tiny import build_tiny_moe_model
+
+    return build_tiny_moe_model(TinyModelConfig(), tmp_path_factory.mktemp("tiny-moe") / "model")

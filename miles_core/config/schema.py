@@ -216,17 +216,14 @@ class TrainingConfig(Section):
 
     @property
     def world_size(self) -> int:
-        """Trainer ranks (Ray actors): tp * pp * ep for Megatron (dp = 1), 1 for FSDP2."""
+        """Trainer ranks (Ray actors): tp * pp * ep for Megatron, 1 for FSDP2. With ep > 1 the
+        dense weights are replicated over the ep ranks (dp = ep), which split each batch's
+        micro-batches; each rank holds 1/ep of the experts."""
         return self.megatron.model_parallel_size if self.backend == "megatron" else 1
 
     @model_validator(mode="after")
     def _one_gpu_per_rank(self) -> "TrainingConfig":
         ranks = self.world_size
-        if self.backend == "megatron" and self.megatron.expert_parallel_size > 1:
-            # Accepting it would fail only at the first weight sync, after a training step.
-            raise ValueError("training.megatron.expert_parallel_size > 1 is not supported yet: the trainer cannot "
-                             "gather expert-parallel shards for weight sync and export; set "
-                             "training.megatron.expert_parallel_size=1 (tensor_parallel_size > 1 works)")
         if ranks > 1 and self.gpus_per_trainer not in (0, ranks):
             # Each rank is its own process on its own device; NCCL cannot put two ranks on one GPU,
             # and a rank uses only one.

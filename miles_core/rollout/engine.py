@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from miles_core.weights import weights_sha256
+from miles_core.weights import fused_layout, weights_sha256
 
 
 class RolloutEngine(Protocol):
@@ -48,6 +48,9 @@ class EmbeddedEngine:
         return self.weight_version
 
     def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:
+        """HF-named weights in either MoE expert layout (see miles_core.weights)."""
+        if any(name.endswith("mlp.experts.gate_up_proj") for name, _ in self.model.named_parameters()):
+            named_tensors = fused_layout(named_tensors)
         missing, unexpected = self.model.load_state_dict(named_tensors, strict=False)
         missing = [k for k in missing if k != "lm_head.weight" or not self.model.config.tie_word_embeddings]
         if missing or unexpected:

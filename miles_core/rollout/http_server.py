@@ -34,6 +34,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from miles_core.rollout.engine import EmbeddedEngine
 from miles_core.rollout.sglang_client import KNOWN_SERVER_ARGS, init_custom_process_group
+from miles_core.weights import checkpoint_layout
 
 logger = logging.getLogger(__name__)
 SERVER_VERSION = "miles-embedded-1"
@@ -197,6 +198,7 @@ class EngineService:
     def load_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> dict:
         """Copy (a subset of) HF-named tensors into the live model. Callers hold self.lock."""
         state = self.engine.model.state_dict()  # shares storage with the parameters
+        state |= checkpoint_layout(state)  # per-expert MoE names: views into the fused experts
         unknown = sorted(set(tensors) - set(state))
         if unknown:
             return _result(False, f"unknown parameter names: {unknown[:5]}")

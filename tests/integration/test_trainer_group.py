@@ -1,6 +1,7 @@
 """The Megatron trainer group on real Ray (CPU, gloo): TP=2 as two rank actors behind one handle,
-a TP=2 run of the training driver that checkpoints, syncs the engines and resumes at TP=1, and
-a failing rank that surfaces as an exception instead of a hang."""
+a TP=2 run of the training driver that checkpoints, syncs the engines and resumes at TP=1, an
+EP=2 MoE run with routing replay, and a failing rank that surfaces as an exception instead of
+a hang."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def test_tensor_parallel_is_accepted_pipeline_still_refused():
         build_config({}, ["training.backend=megatron", "training.megatron.pipeline_parallel_size=2"])
 
 
-def _spec(tmp_path, model_dir, tp: int, num_steps: int) -> TrainSpec:
+def _spec(tmp_path, model_dir, tp: int, num_steps: int, extra: tuple[str, ...] = ()) -> TrainSpec:
     train, _ = write_arithmetic_task(build_config({}).data.builtin, tmp_path / "data")
     cfg = build_config({}, ["training.backend=megatron", f"training.megatron.tensor_parallel_size={tp}",
                             f"training.cpus_per_trainer={tp}", f"training.num_steps={num_steps}",
@@ -99,7 +100,7 @@ def _spec(tmp_path, model_dir, tp: int, num_steps: int) -> TrainSpec:
                             "rollout.num_samples_per_prompt=4", "rollout.verify_weight_sync=true",
                             "training.num_threads=1", "training.micro_batch_size=8",
                             # a gradient even when every reward of the random tiny model is equal
-                            "algorithm.entropy_coef=0.01"])
+                            "algorithm.entropy_coef=0.01", *extra])
     return TrainSpec(cfg.model_dump(mode="json"), str(model_dir), str(train), str(tmp_path / "run"))
 
 
@@ -127,3 +128,22 @@ def test_tp2_run_checkpoints_syncs_engines_and_resumes_at_tp1(ray_local, tmp_pat
     assert more.history[0]["rollout/train_logprob_abs_diff"] <= ON_POLICY_TOL
     state = json.loads(open(f"{more.final_checkpoint_dir}/trainer_state.json").read())
     assert state["step"] == 4 and state["weight_version"] == 4
+
+
+def test_ep2_moe_run_with_routing_replay_syncs_engines_on_policy(ray_local, tmp_path, tiny_moe_model_dir):
+    # each rank holds 2 of the 4 experts; 16 rollouts in micro-batches of 6 deal 2 + 1 (+ a filler)
+    spec = _spec(tmp_path, tiny_moe_model_dir, tp=1, num_steps=2,
+                 extra=(f"model.source={tiny_moe_model_dir}", "training.megatron.expert_parallel_size=2",
+                        "training.cpus_per_trainer=2",
+                        "training.micro_batch_size=6", "training.megatron.routing_replay=true"))
+    result = run_training(spec)
+    assert result.steps == 2
+    # weight sync gathered both ranks' experts: the engines' sha256 matched the trainer's
+    # (verify_weight_sync), and the next rollouts' log-probs are the trainer's own
+    diffs = [h["rollout/train_logprob_abs_diff"] for h in result.history]
+    assert max(diffs) <= ON_POLICY_TOL, diffs
+    exported = load_file(f"{result.hf_export_dir}/model.safetensors")
+    initial = load_file(f"{tiny_moe_model_dir}/model.safetensors")
+    experts = [k for k in initial if ".mlp.experts." in k]
+    assert experts and all(exported[k].shape == initial[k].shape for k in experts)
+    assert any(not torch.equal(exported[k], initial[k]) for k in experts)  # experts of both ranks trained

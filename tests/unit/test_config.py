@@ -63,10 +63,6 @@ def test_hf_source_shape_and_sglang_needs_gpu():
 
 
 # ---- Megatron section and `miles plan` on every recipe ----------------------------------------------
-# Recipes that describe a layout this build cannot run yet; `miles plan` must refuse them and say why.
-NEEDS_EXPERT_PARALLEL = {"qwen3-30b-a3b-async-moe.yaml"}
-
-
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_miles_plan_on_every_recipe(recipe):
     from typer.testing import CliRunner
@@ -74,9 +70,6 @@ def test_miles_plan_on_every_recipe(recipe):
     from flows.cli import app
 
     result = CliRunner().invoke(app, ["plan", str(REPO / "configs" / recipe)], terminal_width=200)
-    if recipe in NEEDS_EXPERT_PARALLEL:
-        assert result.exit_code == 2 and "expert_parallel_size=1" in result.output, result.output
-        return
     assert result.exit_code == 0, result.output
     for row in ("trainer parallelism", "bundle 0", "total per trainer GPU", "optimizer"):
         assert row in result.output, row
@@ -95,6 +88,15 @@ def test_tensor_parallel_layout_plans_one_bundle_per_trainer_rank():
     assert rows["bundle 3"].startswith("trainer rank 3") and rows["bundle 4"].startswith("engine rank 0")
 
 
+def test_expert_parallel_layout_plans_one_rank_per_gpu_with_dense_data_parallel():
+    from miles_core.placement import describe
+
+    cfg = build_config({}, ["training.backend=megatron", "training.megatron.expert_parallel_size=8",
+                            "training.gpus_per_trainer=8", "training.cpus_per_trainer=32"])
+    assert cfg.training.world_size == 8
+    assert "ep=8 dp=8 (a group of 8 trainer actors)" in dict(describe(cfg))["trainer parallelism"]
+
+
 def test_megatron_layouts_not_implemented_say_how_to_fix():
     with pytest.raises(ConfigError, match="pipeline_parallel_size=1"):
         build_config({}, ["training.megatron.pipeline_parallel_size=2"])
@@ -102,8 +104,6 @@ def test_megatron_layouts_not_implemented_say_how_to_fix():
         build_config({}, ["training.megatron.context_parallel_size=2"])
     cfg = build_config({}, ["training.backend=megatron", "training.megatron.tensor_parallel_size=2"])
     assert cfg.training.world_size == 2  # a trainer group of 2 ranks
-    with pytest.raises(ConfigError, match="expert_parallel_size=1"):
-        build_config({}, ["training.backend=megatron", "training.megatron.expert_parallel_size=2"])
     assert build_config({}, ["training.megatron.tensor_parallel_size=2"]).training.world_size == 1  # fsdp2
     with pytest.raises(ConfigError, match="gpus_per_trainer=2"):
         build_config({}, ["training.backend=megatron", "training.megatron.tensor_parallel_size=2",

@@ -115,12 +115,12 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], s: ModelShape) -> dict[str, torc
     return out
 
 
-def megatron_to_hf(mg: dict[str, torch.Tensor], s: ModelShape, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+def megatron_to_hf(mg: dict[str, torch.Tensor], s: ModelShape) -> dict[str, torch.Tensor]:
     """HF tensors from full Megatron ones (vocab un-padded, qkv and fc1 split; no lm_head when tied).
 
-    MoE experts come out per expert (`mlp.experts.{e}.gate_proj.weight`, the checkpoint/SGLang
-    layout) or, with fused_experts, as transformers 5 module tensors
-    (`mlp.experts.gate_up_proj` [E, 2F, H], `mlp.experts.down_proj` [E, H, F]).
+    MoE experts come out per expert (`mlp.experts.{e}.gate_proj.weight`), the checkpoint layout
+    that save_pretrained writes and SGLang loads (miles_core.weights.fused_layout gives the
+    transformers 5 module layout).
     """
     inverse = {v: k for k, v in _SIMPLE.items()}
     out: dict[str, torch.Tensor] = {}
@@ -156,24 +156,7 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], s: ModelShape, fused_experts: bo
                 raise KeyError(f"no HF mapping for Megatron tensor {name}")
         else:
             raise KeyError(f"no HF mapping for Megatron tensor {name}")
-    if fused_experts:
-        out = _fuse_experts(out)
     return {k: v.contiguous() for k, v in out.items()}
-
-
-def _fuse_experts(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    pattern = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-    out, experts = {}, {}
-    for name, tensor in hf.items():
-        if (m := pattern.match(name)) is None:
-            out[name] = tensor
-        else:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = tensor
-    for prefix, by_index in experts.items():
-        order = [by_index[i] for i in sorted(by_index)]
-        out[prefix + ".gate_up_proj"] = torch.stack([torch.cat([e["gate_proj"], e["up_proj"]]) for e in order])
-        out[prefix + ".down_proj"] = torch.stack([e["down_proj"] for e in order])
-    return out
 
 
 # ---- tensor parallel ----------------------------------------------------------------------------
@@ -217,6 +200,17 @@ def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
+def local_expert_index(name: str) -> int | None:
+    """The local expert index in a Megatron expert tensor's name; None for other tensors."""
+    return int(m.group(2)) if (m := _LOCAL_EXPERT.match(name)) else None
+
+
+def renumber_expert(name: str, offset: int) -> str:
+    """An expert tensor's name with its expert index shifted by offset (local <-> global)."""
+    m = _LOCAL_EXPERT.match(name)
+    return f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}"
+
+
 def hf_to_megatron_rank(hf: dict[str, torch.Tensor], s: ModelShape, tp: int, rank: int, ep: int = 1,
                         ep_rank: int = 0) -> dict[str, torch.Tensor]:
     """This TP (and EP) rank's Megatron state dict (s must be the shape at this tp: padded vocab).
@@ -225,12 +219,11 @@ def hf_to_megatron_rank(hf: dict[str, torch.Tensor], s: ModelShape, tp: int, ran
     """
     out = {}
     for name, tensor in hf_to_megatron(hf, s).items():
-        if ep > 1 and (m := _LOCAL_EXPERT.match(name)) is not None:
+        if ep > 1 and (index := local_expert_index(name)) is not None:
             per_rank = s.num_experts // ep
-            index = int(m.group(2)) - ep_rank * per_rank
-            if not 0 <= index < per_rank:
+            if not ep_rank * per_rank <= index < (ep_rank + 1) * per_rank:
                 continue
-            name = f"{m.group(1)}{index}{m.group(3)}"
+            name = renumber_expert(name, -ep_rank * per_rank)
         out[name] = shard(name, tensor, tp, rank).clone()
     return out
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from miles_core.training.fsdp import pad_batch
 from miles_core.training.megatron import mapping, state
 from miles_core.training.megatron.convert import TORCH_DIST, load_hf_weights, load_model_checkpoint, \
     verify_manifest
-from miles_core.training.megatron.logprobs import clip_grad_norm, next_token_logprobs
+from miles_core.training.megatron.logprobs import clip_grad_norm, is_expert_parallel, next_token_logprobs
 from miles_core.training.megatron.model import build_gpt_model, causal_positions, forward_logits, init_parallel, \
     family_of, model_shape, shutdown_parallel
 from miles_core.training.megatron.routing_replay import replayed_routing, routing_targets
@@ -69,6 +69,15 @@ def _require_experts(model_dir: str) -> None:
 
 def _select(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
     return {k: v[rows] for k, v in batch.items()}
+
+
+def _filled(batch: dict[str, torch.Tensor], rows: slice, size: int) -> dict[str, torch.Tensor]:
+    """batch[rows] plus masked copies of row 0 up to `size` rows (they add nothing to any loss)."""
+    num_real = rows.stop - rows.start
+    index = list(range(rows.start, rows.stop)) + [0] * (size - num_real)
+    mb = {k: v[torch.tensor(index, device=v.device)] for k, v in batch.items()}
+    mb["mask"][num_real:] = 0
+    return mb
 
 
 class ValueHead(torch.nn.Module):
@@ -116,6 +125,9 @@ class MegatronTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.shape = model_shape(self.hf_config, self.tp)
         self.tied = self.shape.tied
+        if self.opts.ep > 1 and (self.shape.num_experts or 0) % self.opts.ep:
+            raise ValueError(f"training.megatron.expert_parallel_size={self.opts.ep} needs an MoE model whose "
+                             f"experts split evenly over it; {model_dir} has {self.shape.num_experts or 'no'} experts")
         # fp32 parameters and Adam state (as FSDPTrainer); bf16 autocast for the matmuls on GPU
         self.dtype = torch.float32
         hf_weights = None if megatron_ckpt else load_hf_weights(model_dir)
@@ -213,12 +225,21 @@ class MegatronTrainer:
         values = self.value_head.score(self.value_head.norm(hidden)).squeeze(-1).transpose(0, 1)  # [b, s]
         return values[:, :-1].float()
 
-    def _row_slices(self, num_rows: int) -> list[slice]:
-        size = self.training.micro_batch_size
-        return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
+    def _my_micro_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[tuple[slice, dict[str, torch.Tensor]]]:
+        """(rows, micro-batch) pairs of this data-parallel rank: micro-batches dealt round-robin.
 
-    def _my_slices(self, num_rows: int) -> list[slice]:
-        return [s for i, s in enumerate(self._row_slices(num_rows)) if i % self.dp == self.dp_rank]
+        With expert parallelism every forward exchanges tokens between the EP ranks, so every
+        rank runs as many micro-batches, all of one shape: a rank's short or missing ones are
+        filled up with masked copies of row 0 (micro-batch rows past the real `rows`)."""
+        num_rows, size = len(batch["tokens"]), self.training.micro_batch_size
+        num_slices = -(-num_rows // size)
+        for index in range(self.dp_rank, -(-num_slices // self.dp) * self.dp, self.dp):
+            start = min(index * size, num_rows)
+            rows = slice(start, min(start + size, num_rows))
+            if self.opts.ep > 1:
+                yield rows, _filled(batch, rows, size)
+            elif rows.stop > rows.start:
+                yield rows, _select(batch, rows)
 
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.dp > 1:
@@ -235,11 +256,10 @@ class MegatronTrainer:
             scorers["teacher_logp"] = lambda mb: self._token_logprobs(self.teacher, mb)[0]
         if self.critic is not None:
             scorers["old_values"] = self._values
-        num_rows = len(batch["tokens"])
         for key, scorer in scorers.items():
             out = torch.zeros_like(batch["mask"])
-            for rows in self._my_slices(num_rows):
-                out[rows] = scorer(_select(batch, rows)).to(out.dtype)
+            for rows, mb in self._my_micro_batches(batch):
+                out[rows] = scorer(mb)[: rows.stop - rows.start].to(out.dtype)
             batch[key] = self._dp_sum(out)
 
     @torch.no_grad()
@@ -274,17 +294,18 @@ class MegatronTrainer:
         return metrics
 
     def _sync_and_clip(self, *modules: torch.nn.Module) -> torch.Tensor:
-        """Sum gradients over DP; over TP for the q/k norms (each TP rank only sees its own
-        heads, as megatron's finalize_model_grads does); then clip the global norm."""
+        """Sum gradients over DP (an expert's over the expert-DP ranks that hold the same
+        experts); over TP for the q/k norms (each TP rank only sees its own heads, as megatron's
+        finalize_model_grads does); then clip the global norm."""
         named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
+        dense_group, expert_group = self.ps.get_data_parallel_group(), self.ps.get_expert_data_parallel_group()
         for name, p in named:
-            if p.grad is None:  # unused here (e.g. an expert no token chose); DP peers may disagree
-                if self.dp == 1:
-                    continue
-                p.grad = torch.zeros_like(p)
-            if self.dp > 1:
-                dist.all_reduce(p.grad, group=self.ps.get_data_parallel_group())
-            if self.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
+            group = expert_group if is_expert_parallel(p) else dense_group
+            if dist.get_world_size(group) > 1:
+                if p.grad is None:  # unused here (e.g. an expert no token chose); DP peers may disagree
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+            if p.grad is not None and self.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
                 dist.all_reduce(p.grad, group=self.ps.get_tensor_model_parallel_group())
         return clip_grad_norm([p for _, p in named], self.training.grad_clip)
 
@@ -295,12 +316,11 @@ class MegatronTrainer:
         if self.critic is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for rows in self._my_slices(len(batch["tokens"])):
-            mb = _select(batch, rows)
+        for rows, mb in self._my_micro_batches(batch):
             loss, parts = self._loss(mb, totals) if train_policy else (torch.zeros(()), {})
             if self.critic is not None:
                 value_loss = algo.value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["mask"],
-                                             self.algorithm.value_clip) * (len(mb["tokens"]) / totals["num_seqs"])
+                                             self.algorithm.value_clip) * ((rows.stop - rows.start) / totals["num_seqs"])
                 loss = loss + value_loss
                 parts["train/value_loss"] = float(value_loss.detach())
             if loss.requires_grad:
@@ -339,8 +359,7 @@ class MegatronTrainer:
         num_tokens = float(batch["mask"].sum())
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64)
-        for rows in self._my_slices(len(samples)):
-            mb = _select(batch, rows)
+        for _, mb in self._my_micro_batches(batch):
             loss = algo.sft_loss(self._token_logprobs(self.model, mb)[0], mb["mask"], num_tokens=num_tokens)
             loss.backward()
             total += float(loss.detach())
@@ -351,19 +370,29 @@ class MegatronTrainer:
         return float(self._dp_sum(total))
 
     # ---- weights out ----------------------------------------------------------------------------
+    def _gather(self, tensor: torch.Tensor, group) -> list[torch.Tensor]:
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return [p.cpu() for p in parts]
+
     def _full_megatron(self, model) -> dict[str, torch.Tensor]:
-        local = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-        if self.tp == 1:
-            return {k: v.cpu() for k, v in local.items()}
-        group = self.ps.get_tensor_model_parallel_group()
-        full = {}
-        for name, tensor in local.items():
-            if mapping.parallel_kind(name) == "replicated":
+        """This model's whole Megatron state dict on every rank: TP shards joined, and with
+        expert parallelism every rank's local experts renumbered to their global index."""
+        ps, full = self.ps, {}
+        for name, tensor in model.state_dict().items():
+            if name.endswith("_extra_state"):
+                continue
+            tensor = tensor.detach()
+            expert = self.opts.ep > 1 and mapping.local_expert_index(name) is not None
+            tp_group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+            if mapping.parallel_kind(name) != "replicated" and dist.get_world_size(tp_group) > 1:
+                tensor = mapping.unshard(name, self._gather(tensor, tp_group))
+            if not expert:
                 full[name] = tensor.cpu()
                 continue
-            parts = [torch.empty_like(tensor) for _ in range(self.tp)]
-            dist.all_gather(parts, tensor.contiguous(), group=group)
-            full[name] = mapping.unshard(name, [p.cpu() for p in parts])
+            num_local = self.shape.num_experts // self.opts.ep
+            for ep_rank, part in enumerate(self._gather(tensor, ps.get_expert_model_parallel_group())):
+                full[mapping.renumber_expert(name, ep_rank * num_local)] = part
         return full
 
     def hf_state_dict(self, to_cpu: bool | None = None) -> dict[str, torch.Tensor]:
@@ -371,12 +400,9 @@ class MegatronTrainer:
         to_cpu is accepted for the FSDPTrainer signature (the object-store transport passes it);
         the result is on CPU either way.
 
-        MoE experts come fused as in transformers 5 modules (what the engines load)."""
-        if self.opts.ep > 1:
-            raise NotImplementedError("hf_state_dict with expert parallelism (ep > 1) is not implemented")
-        shape = model_shape(self.hf_config, self.tp)
-        return mapping.megatron_to_hf(self._full_megatron(self.model), shape,
-                                      fused_experts=shape.family == "qwen3_moe")
+        MoE experts come one tensor per expert, the checkpoint layout SGLang loads (the embedded
+        engine fuses them for its transformers 5 modules)."""
+        return mapping.megatron_to_hf(self._full_megatron(self.model), model_shape(self.hf_config, self.tp))
 
     def weights_sha256(self) -> str:
         return weights_sha256(self.hf_state_dict())
@@ -405,7 +431,7 @@ class MegatronTrainer:
     def save_state(self, out_dir: str | Path, extra: dict[str, Any]) -> None:
         """Policy (+critic) weights and optimizers as torch_dist, schedulers/RNG/extra as JSON."""
         out_dir = Path(out_dir)
-        meta: dict[str, Any] = {"modules": {}, "layout": {"tp": self.tp, "dp": self.dp}}
+        meta: dict[str, Any] = {"modules": {}, "layout": {"tp": self.tp, "ep": self.opts.ep, "dp": self.dp}}
         for name, model, optimizer, scheduler, tensors in self._modules():
             sub = TORCH_DIST if name == "policy" else f"{name}_{TORCH_DIST}"
             meta["modules"][name] = {**state.save(out_dir / sub, model, optimizer, tensors),
