@@ -1,7 +1,8 @@
 """A Megatron trainer of several ranks (tp * pp * ep Ray actors) behind one actor-like handle.
 
 The MegatronTrainer is SPMD: every rank is built with the same arguments and every method is
-called on every rank, in the same order, each returning the same result. `TrainerGroup` keeps
+called on every rank, in the same order, and rank 0's result is the answer (the others return
+the same, or nothing where only rank 0 assembles it: full weights). `TrainerGroup` keeps
 the single-actor calling convention of the loop, the weight transports, periodic eval and the
 driver: ``ray.get(group.train_step.remote(samples))`` runs train_step on every rank and gives
 rank 0's result, or raises if ANY rank raised.
@@ -58,7 +59,7 @@ class _RankMixin:
     def group_call(self, name: str, call: tuple[tuple, dict]) -> Any:
         args, kwargs = call
         result = getattr(self, name)(*args, **kwargs)
-        # every rank computed the same result; only rank 0's crosses the object store
+        # rank 0 holds the answer (see the module docstring); only its result crosses the object store
         return result if os.environ["RANK"] == "0" else None
 
 

@@ -1,8 +1,9 @@
 """The Megatron-LM training backend: the FSDPTrainer interface on a megatron-core GPTModel.
 
 SPMD: with tp * dp > 1 every rank constructs the trainer with the same arguments and every
-method is called on every rank (each returns the same result). Micro-batches are dealt to
-data-parallel ranks round-robin; gradients are summed over the data-parallel group.
+method is called on every rank (each returns the same result, except full weights: rank 0
+only). Micro-batches are dealt to data-parallel ranks round-robin; gradients are summed over
+the data-parallel group (dp = ep: expert parallel ranks replicate the dense weights).
 
 Optimizer: plain ``torch.optim.AdamW`` over this rank's (TP-sharded) parameters, on CPU and
 GPU alike (megatron's DistributedOptimizer needs its DDP grad buffers; not used here). Its
@@ -370,14 +371,19 @@ class MegatronTrainer:
         return float(self._dp_sum(total))
 
     # ---- weights out ----------------------------------------------------------------------------
-    def _gather(self, tensor: torch.Tensor, group) -> list[torch.Tensor]:
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return [p.cpu() for p in parts]
+    @staticmethod
+    def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor] | None:
+        """Every group rank's tensor, on the group's first rank (on CPU); None on the others."""
+        first = dist.get_group_rank(group, dist.get_rank()) == 0
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))] if first else None
+        dist.gather(tensor.contiguous(), parts, group=group, group_dst=0)
+        return [p.cpu() for p in parts] if first else None
 
     def _full_megatron(self, model) -> dict[str, torch.Tensor]:
-        """This model's whole Megatron state dict on every rank: TP shards joined, and with
-        expert parallelism every rank's local experts renumbered to their global index."""
+        """This model's whole Megatron state dict, on global rank 0 (partial on the others): TP
+        shards joined, and with expert parallelism every rank's local experts renumbered to
+        their global index. Only rank 0 ever holds a full copy (8 copies of a 30B model would
+        not fit in one node's host memory)."""
         ps, full = self.ps, {}
         for name, tensor in model.state_dict().items():
             if name.endswith("_extra_state"):
@@ -386,23 +392,29 @@ class MegatronTrainer:
             expert = self.opts.ep > 1 and mapping.local_expert_index(name) is not None
             tp_group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
             if mapping.parallel_kind(name) != "replicated" and dist.get_world_size(tp_group) > 1:
-                tensor = mapping.unshard(name, self._gather(tensor, tp_group))
+                parts = self._gather(tensor, tp_group)
+                if parts is None:  # sent to this TP group's first rank; so were its EP peers'
+                    continue
+                tensor = mapping.unshard(name, parts)
             if not expert:
                 full[name] = tensor.cpu()
                 continue
+            parts = self._gather(tensor, ps.get_expert_model_parallel_group())
             num_local = self.shape.num_experts // self.opts.ep
-            for ep_rank, part in enumerate(self._gather(tensor, ps.get_expert_model_parallel_group())):
+            for ep_rank, part in enumerate(parts or []):
                 full[mapping.renumber_expert(name, ep_rank * num_local)] = part
         return full
 
     def hf_state_dict(self, to_cpu: bool | None = None) -> dict[str, torch.Tensor]:
-        """Full weights under Hugging Face names, on CPU (tied lm_head dropped). Collective.
+        """Full weights under Hugging Face names, on CPU (tied lm_head dropped), on rank 0 (the
+        rank whose result a TrainerGroup returns); {} on the other ranks. Collective.
         to_cpu is accepted for the FSDPTrainer signature (the object-store transport passes it);
         the result is on CPU either way.
 
         MoE experts come one tensor per expert, the checkpoint layout SGLang loads (the embedded
         engine fuses them for its transformers 5 modules)."""
-        return mapping.megatron_to_hf(self._full_megatron(self.model), model_shape(self.hf_config, self.tp))
+        full = self._full_megatron(self.model)
+        return mapping.megatron_to_hf(full, model_shape(self.hf_config, self.tp)) if dist.get_rank() == 0 else {}
 
     def weights_sha256(self) -> str:
         return weights_sha256(self.hf_state_dict())
