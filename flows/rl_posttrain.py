@@ -69,7 +69,19 @@ def _stop_driver_jobs(flow, flow_run, state) -> None:
         flow_run_logger(flow_run, flow).info("flow run cancelled: stopped driver jobs %s", stopped)
 
 
-@flow(name="rl-posttrain", log_prints=True, on_cancellation=[_stop_driver_jobs])
+def _mark_mlflow_failed(flow, flow_run, state) -> None:
+    """on_failure / on_crashed: the MLflow run ends FAILED instead of staying RUNNING (a later
+    `miles run --resume` or `resume_from` sets it RUNNING again)."""
+    params = flow_run.parameters
+    cfg = load_config(params.get("config_path", "configs/local.yaml"), params.get("overrides") or [])
+    found = tracking.find_run(cfg, _run_key(params.get("resume_from"), flow_run.id))
+    if found is not None:
+        tracking.finish(*found, "FAILED")
+        flow_run_logger(flow_run, flow).info("MLflow run %s marked FAILED", found[1])
+
+
+@flow(name="rl-posttrain", log_prints=True, on_cancellation=[_stop_driver_jobs],
+      on_failure=[_mark_mlflow_failed], on_crashed=[_mark_mlflow_failed])
 def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] | None = None,
                  resume_from: str | None = None, run_dir: str | None = None) -> dict:
     """RL post-training of one recipe, durable stage by stage; returns the run summary."""
@@ -116,7 +128,9 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
     with timer("register"):
         version = register_model(uri, mlflow_run, cfg.tracking.registered_model_name, result["hf_export_dir"],
                                  {"run_key": run_key, "checkpoint_uri": uploaded["checkpoint_uri"],
-                                  "eval_pass_at_1": str(after["heldout"]["pass@1"])})
+                                  "eval_pass_at_1": str(after["heldout"]["pass@1"]),
+                                  "eval_report_uri": tracking.artifact_uri(uri, mlflow_run, reports.REPORT_ARTIFACT),
+                                  "train_data": data["train_path"], "eval_data": data["eval_path"]})
     with timer("promote"):
         promotion = _promote(cfg, uri, str(version))
     summary = {

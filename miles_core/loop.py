@@ -71,10 +71,19 @@ def rollout_metrics(cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
     groups = [rewards[i : i + n] for i in range(0, len(rewards), n)]
     return {
         "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/reward_std": statistics.pstdev(rewards),
         "rollout/response_len_mean": statistics.fmean(len(s.response_ids) for s in samples),
         "rollout/truncated_frac": statistics.fmean(s.finish_reason == "length" for s in samples),
         "rollout/zero_std_group_frac": statistics.fmean(len(set(g)) == 1 for g in groups),
     }
+
+
+def throughput(batch: RolloutBatch, train_seconds: float) -> dict[str, float]:
+    """Generated tokens per second of rollout, trained (prompt + response) tokens per second."""
+    generated = sum(len(s.response_ids) for s in batch.samples)
+    trained = generated + sum(len(s.prompt_ids) for s in batch.samples)
+    return {"rollout/tokens_per_second": generated / max(batch.seconds, 1e-9),
+            "train/tokens_per_second": trained / max(train_seconds, 1e-9)}
 
 
 def save(cfg: RunConfig, trainer: Any, run_dir: Path, state: LoopState, cursor: dict) -> Path:
@@ -155,6 +164,7 @@ def run_loop(cfg: RunConfig, trainer: Any, engines: Any, transport: WeightTransp
                 metrics |= transport.push(trainer, engines.targets(), state.weight_version)
                 if evaluator and evaluator.due(state.step):  # rollout engines are held: rollout pauses
                     evaluator.run(state.step, state.weight_version, engines)
+            metrics |= throughput(batch, metrics["time/train_seconds"])
             metrics |= {"time/rollout_seconds": batch.seconds, "time/rollout_wait_seconds": waited,
                         "time/step_seconds": time.perf_counter() - started,
                         "rollout/weight_version": float(batch.version)}

@@ -15,6 +15,7 @@ from miles_core.evaluation import HELDOUT
 from miles_core.tracking import client_for
 
 METRIC_PREFIXES = ("pass@", "avg@")
+REPORT_ARTIFACT = "eval/report.json"
 MAX_SAMPLES_PER_DATASET = 8
 Results = dict[str, dict[str, Any]]
 
@@ -145,7 +146,7 @@ def log_report(tracking_uri: str, run_id: str, before: dict | None, after: dict 
     client = client_for(tracking_uri)
     report = eval_report(before, after)
     # Round-trip through JSON so numpy floats or tuples in results cannot break log_dict.
-    client.log_dict(run_id, json.loads(json.dumps(report, default=float)), "eval/report.json")
+    client.log_dict(run_id, json.loads(json.dumps(report, default=float)), REPORT_ARTIFACT)
     client.log_text(run_id, report_markdown(report), "eval/report.md")
     client.log_dict(run_id, json.loads(json.dumps(sample_rollouts(after or before), default=str)),
                     "eval/samples.json")

@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from miles_core.config import RunConfig
 
 RUN_KEY_TAG = "miles.run_key"
+CONFIG_ARTIFACT = "config/resolved.json"
 SECRET_MARKERS = ("token", "secret", "password", "key_id", "access_key", "api_key")
 
 
@@ -43,6 +44,11 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def _run_of(client: MlflowClient, experiment_id: str, run_key: str) -> str | None:
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
+    return found[0].info.run_id if found else None
+
+
 def start_or_attach_run(cfg: RunConfig, run_key: str, tags: dict[str, str]) -> tuple[str, str]:
     """The MLflow run of this run key: attached if it exists (resume), else created with
     params logged once. Returns (tracking uri, MLflow run id)."""
@@ -56,15 +62,26 @@ def start_or_attach_run(cfg: RunConfig, run_key: str, tags: dict[str, str]) -> t
         experiment_id = client.create_experiment(cfg.tracking.experiment_name, artifact_location=artifact_root)
     else:
         experiment_id = experiment.experiment_id
-    found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
-    if found:
-        return uri, found[0].info.run_id
+    if (run_id := _run_of(client, experiment_id, run_key)) is not None:
+        client.update_run(run_id, status="RUNNING")  # a resume of a run that ended FAILED
+        return uri, run_id
     run = client.create_run(experiment_id, run_name=run_key,
                             tags={RUN_KEY_TAG: run_key, "miles.config_digest": cfg.digest(), **tags})
-    params = [Param(k, v) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+    flat = flatten(cfg.model_dump(mode="json"))
+    params = [Param(k, v) for k, v in flat.items()]
     for start in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[start : start + 100])
+    client.log_dict(run.info.run_id, flat, CONFIG_ARTIFACT)  # the same redacted values, as one file
     return uri, run.info.run_id
+
+
+def find_run(cfg: RunConfig, run_key: str) -> tuple[str, str] | None:
+    """(tracking uri, MLflow run id) of a run key, if its run was created."""
+    uri = tracking_uri(cfg)
+    client = client_for(uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    run_id = _run_of(client, experiment.experiment_id, run_key) if experiment else None
+    return (uri, run_id) if run_id else None
 
 
 @contextmanager
@@ -129,6 +146,11 @@ def register_model(uri: str, run_id: str, name: str, hf_export_dir: str, tags: d
     version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
     client.set_registered_model_alias(name, "candidate", version.version)
     return str(version.version)
+
+
+def artifact_uri(uri: str, run_id: str, path: str) -> str:
+    """Where a run artifact lives (what a registry tag links to)."""
+    return f"{client_for(uri).get_run(run_id).info.artifact_uri}/{path}"
 
 
 def finish(uri: str, run_id: str, status: str) -> None:

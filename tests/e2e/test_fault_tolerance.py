@@ -129,3 +129,9 @@ def test_missing_model_path_fails_without_retries(work_dir, tmp_path):
     assert proc.returncode != 0
     assert "no-such-model" in out and "does not exist" in out
     assert "Retry 1/" not in out
+    # the run's MLflow run ends FAILED, not RUNNING forever
+    run_key = (tmp_path / "nomodel" / "RUN_KEY").read_text()
+    client = MlflowClient(f"sqlite:///{work_dir / 'mlflow.db'}")
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                               filter_string=f"tags.`miles.run_key` = '{run_key}'")
+    assert run.info.status == "FAILED"

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,15 +75,22 @@ def test_checkpoint_manifest_verifies_in_store(finished_run, tmp_path):
     assert json.loads((local / "MANIFEST.json").read_text())["step"] == 120
 
 
-def test_mlflow_has_params_metrics_and_model_version(finished_run):
+def test_mlflow_has_params_metrics_and_model_version(finished_run, tmp_path):
     from mlflow.tracking import MlflowClient
 
     _, _, summary, _ = finished_run
     client = MlflowClient(summary["mlflow"]["tracking_uri"], registry_uri=summary["mlflow"]["tracking_uri"])
     run = client.get_run(summary["mlflow"]["run_id"])
     assert run.data.params["training.num_steps"] == "120"
-    steps = [m.step for m in client.get_metric_history(run.info.run_id, "rollout/reward_mean")]
-    assert steps == list(range(1, 121))
+    for metric in ("rollout/reward_mean", "rollout/reward_std", "rollout/tokens_per_second", "train/loss",
+                   "train/pg_loss", "train/ppo_kl", "train/clip_frac", "train/grad_norm", "train/lr",
+                   "train/tokens_per_second", "rollout/train_logprob_abs_diff", "time/step_seconds"):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, metric)]
+        assert steps == list(range(1, 121)), metric
+    # the resolved config as one artifact, the same (redacted) values as the params
+    config = client.download_artifacts(run.info.run_id, "config/resolved.json", str(tmp_path))
+    assert json.loads(Path(config).read_text()) == run.data.params
+    assert run.info.status == "FINISHED"
     assert run.data.metrics["eval/after_pass_at_1"] == pytest.approx(summary["eval"]["after"])
     assert run.data.metrics["system/cpu_utilization_percentage"] >= 0  # MLflow's system metrics
     assert len(client.get_metric_history(run.info.run_id, "system/system_memory_usage_megabytes")) >= 2
@@ -91,6 +99,14 @@ def test_mlflow_has_params_metrics_and_model_version(finished_run):
     assert run.data.tags["miles.config_digest"] and run.data.tags["miles.run_key"] == summary["run_key"]
     version = client.get_model_version_by_alias(summary["mlflow"]["model_name"], "candidate")
     assert str(version.version) == str(summary["model_version"]) and version.run_id == run.info.run_id
+    # the version links its run's eval report, its data and its checkpoint
+    report = version.tags["eval_report_uri"]
+    assert report == f"{run.info.artifact_uri}/eval/report.json"
+    local = client.download_artifacts(run.info.run_id, "eval/report.json", str(tmp_path / "report"))
+    rows = {(r["dataset"], r["metric"]): r for r in json.loads(Path(local).read_text())["rows"]}
+    assert rows[("heldout", "pass@1")]["after"] == pytest.approx(summary["eval"]["after"])
+    assert version.tags["train_data"] == summary["data"]["train_path"]
+    assert version.tags["checkpoint_uri"] == summary["checkpoint_uri"]
 
 
 def test_progress_is_visible(finished_run):
