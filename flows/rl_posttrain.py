@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,12 +33,6 @@ class StageTimer:
         yield
         self.seconds[name] = round(time.perf_counter() - started, 2)
         get_run_logger().info("stage %s done in %.1f s", name, self.seconds[name])
-
-
-def store_uri(cfg: RunConfig) -> str:
-    """The recipe's object store, else the environment's (`miles stack up` sets it), else local."""
-    return (cfg.storage.object_store_uri or os.environ.get("MILES_OBJECT_STORE_URI")
-            or (cfg.storage.work_path / "store").as_uri())
 
 
 def _promote(cfg: RunConfig, uri: str, version: str) -> dict:
@@ -112,11 +105,11 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
     reports.log_eval_metrics(uri, mlflow_run, "before", before, step=0)
     spec = {"config": config, "model_dir": converted["model_dir"], "megatron_dir": converted["megatron_dir"],
             "train_path": data["train_path"], "run_dir": str(run_path), "eval_path": data["eval_path"],
-            "store_uri": store_uri(cfg), "run_key": run_key}
+            "store_uri": cfg.storage.store_uri(), "run_key": run_key}
     with timer("train"):
         result = train(spec, uri, mlflow_run)
     with timer("upload"):
-        uploaded = upload_artifacts(store_uri(cfg), run_key, result["final_checkpoint_dir"], result["hf_export_dir"],
+        uploaded = upload_artifacts(cfg.storage.store_uri(), run_key, result["final_checkpoint_dir"], result["hf_export_dir"],
                                     config["checkpoint"])
     with timer("eval_after"):
         after = evaluate(config, result["hf_export_dir"], data["eval_path"], "after")

@@ -2,11 +2,11 @@
 
 Each is keyed by the identity of what it produces (plus a version literal bumped when the
 producing code changes) and by where it is written (the absolute work_dir), with JSON results
-persisted, so a new flow run reuses them. The location is part of the key because a result is a
-set of absolute paths: runs with different work dirs share one Prefect result store (a worker's,
-or ~/.prefect), and must never receive each other's paths. The public functions also check that
-what a cached result names is still on disk, and rebuild it when it was deleted.
-"""
+persisted in the object store (`<store>/prefect-results/<key>`), so a new flow run reuses them.
+The location is part of the key because a result is a set of absolute paths: runs with
+different work dirs can share one object store, and must never receive each other's paths. The
+public functions also check that what a cached result names is still on disk, and rebuild it
+when it was deleted."""
 
 from __future__ import annotations
 
@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import Callable
 
 from prefect import get_run_logger, task
+from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
+from miles_core import storage
 from miles_core.config import RunConfig
 from miles_core.models import materialize_model, model_identity
 from tasks.retry import retry_infrastructure_only
 
 ARTIFACT_VERSION = "v1"
+RESULTS_PREFIX = "prefect-results"
 
 
 def _key(*parts: object) -> str:
@@ -33,8 +36,22 @@ def _located(cfg: RunConfig, content_key: str) -> str:
     return f"{content_key}-at-{_key(str(cfg.storage.work_path))[:12]}"
 
 
+def _result_storage(cfg: RunConfig) -> LocalFileSystem | RemoteFileSystem:
+    """A block for <store>/prefect-results, saved (Prefect wants result storage server-side);
+    it names a location only: S3 credentials stay in the environment."""
+    base = storage.join_uri(cfg.storage.store_uri(), RESULTS_PREFIX)
+    if base.startswith("file://") or "://" not in base:  # Prefect's remote one refuses file:///
+        block = LocalFileSystem(basepath=base.removeprefix("file://"))
+    else:
+        block = RemoteFileSystem(basepath=base)
+    block.save(f"miles-results-{_key(base)[:16]}", overwrite=True)
+    return block
+
+
 def _fresh(task, present: Callable[[dict], bool], **kwargs) -> dict:
-    """Run a cached artifact task; refresh its cache entry when what it names was deleted."""
+    """Run a cached artifact task, its result persisted in the run's object store; refresh the
+    cache entry when what it names was deleted."""
+    task = task.with_options(result_storage=_result_storage(RunConfig.model_validate(kwargs["config"])))
     result = task(**kwargs)
     if not present(result):
         result = task.with_options(refresh_cache=True)(**kwargs)

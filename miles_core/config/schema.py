@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -372,6 +373,11 @@ class StorageConfig(Section):
     def cache_dir(self, kind: str) -> Path:
         """<work_dir>/cache/<kind> (models, data, warmup, megatron), absolute."""
         return self.work_path / "cache" / kind
+
+    def store_uri(self) -> str:
+        """The object store in effect: object_store_uri, else $MILES_OBJECT_STORE_URI (the local
+        stack's env file sets it), else file://<work_dir>/store."""
+        return self.object_store_uri or os.environ.get("MILES_OBJECT_STORE_URI") or (self.work_path / "store").as_uri()
 
 
 class RunConfig(Section):

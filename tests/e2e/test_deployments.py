@@ -108,6 +108,20 @@ def test_smoke_deployment_completes_on_the_local_stack(deployed):
     assert result["steps"] == 20
     assert result["checkpoint_uri"].startswith("s3://miles/runs/")  # the stack's object store
     assert result["mlflow"]["tracking_uri"] == deployed["env"]["MLFLOW_TRACKING_URI"]
+    # the cached stages' Prefect results are persisted in the object store too
+    records = s3_listing(deployed, "miles/prefect-results")
+    assert any(name.startswith("model-") for name in records) and any(name.startswith("data-") for name in records)
+
+
+def s3_listing(d: dict, prefix: str) -> list[str]:
+    """Names under s3://prefix in the stack's object store (its endpoint and keys from its env)."""
+    import fsspec
+
+    env = d["env"]
+    fs = fsspec.filesystem("s3", key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
+                           client_kwargs={"endpoint_url": env["AWS_ENDPOINT_URL_S3"],
+                                          "region_name": env["AWS_DEFAULT_REGION"]}, skip_instance_cache=True)
+    return [path.rsplit("/", 1)[-1] for path in fs.ls(prefix)]
 
 
 def complete_steps(run_dir: Path) -> list[int]:

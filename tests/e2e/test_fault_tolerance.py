@@ -15,12 +15,24 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 NUM_STEPS = 40
+# Held-out pass@1 is measured on 200 prompts: 6 prompts of noise.
+EVAL_NOISE = 0.03
 SHORT = [f"training.num_steps={NUM_STEPS}", "checkpoint.interval_steps=10", "checkpoint.keep_latest=3"]
 
 
 @pytest.fixture(scope="module")
 def work_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(work_dir) -> dict:
+    """The same run with no fault: what a run that survived one must match."""
+    run_dir = work_dir / "uninterrupted"
+    finish(miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir)))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == NUM_STEPS and summary["eval"]["after"] > summary["eval"]["before"]
+    return summary
 
 
 def miles(work: Path, *args: str, overrides=SHORT) -> subprocess.Popen:
@@ -71,25 +83,27 @@ def assert_metrics_exactly_once(summary: dict) -> None:
     assert steps == list(range(1, NUM_STEPS + 1)), steps
 
 
-def test_trainer_killed_after_checkpoint_task_retry_resumes(work_dir):
+def test_trainer_killed_after_checkpoint_task_retry_resumes(work_dir, uninterrupted):
     run_dir = work_dir / "killed-trainer"
     proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir))
     wait_for(lambda: complete_steps(run_dir), 600, "the first checkpoint", proc)
     trainer_pids = wait_for(lambda: subprocess.run(["pgrep", "-f", "ray::FSDPTrainer"], capture_output=True,
                                                    text=True).stdout.split(), 60, "the trainer actor")
-    killed_after = complete_steps(run_dir)[-1]
     for pid in trainer_pids:
         os.kill(int(pid), signal.SIGKILL)
+    # No checkpoint completes without the trainer, and the retry waits >= 5 s (backoff with
+    # jitter): what is complete now is what the retry must resume from.
+    time.sleep(2)
+    last_complete = complete_steps(run_dir)[-1]
     out = finish(proc)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == NUM_STEPS and summary["resumed_from_step"] >= killed_after
-    assert summary["resumed_from_step"] % 10 == 0
+    assert summary["steps"] == NUM_STEPS and summary["resumed_from_step"] == last_complete
     assert "Retry 1/" in out
     assert_metrics_exactly_once(summary)
-    assert summary["eval"]["after"] >= summary["eval"]["before"]
+    assert summary["eval"]["after"] >= uninterrupted["eval"]["after"] - EVAL_NOISE
 
 
-def test_whole_process_killed_then_resume_skips_cached_stages(work_dir):
+def test_whole_process_killed_then_resume_skips_cached_stages(work_dir, uninterrupted):
     run_dir = work_dir / "killed-run"
     proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir))
     wait_for(lambda: len(complete_steps(run_dir)) >= 2, 600, "two checkpoints", proc)
@@ -109,6 +123,7 @@ def test_whole_process_killed_then_resume_skips_cached_stages(work_dir):
     for stage in ("prepare-model", "sft-warmup"):
         assert any(stage in line and "Cached" in line for line in out.splitlines()), stage
     assert_metrics_exactly_once(summary)
+    assert summary["eval"]["after"] >= uninterrupted["eval"]["after"] - EVAL_NOISE
 
 
 def test_bad_config_fails_fast_with_one_message(work_dir, tmp_path):

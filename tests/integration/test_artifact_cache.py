@@ -1,9 +1,9 @@
-"""Cached artifact stages across work dirs that share one Prefect result store.
+"""Cached artifact stages across work dirs that share one object store (their Prefect results).
 
-A worker (or ~/.prefect) keeps one result store for every run it executes, while each run's
-artifacts live under its own `storage.work_dir`. A cached result is a set of absolute paths, so
-a run must never be handed another work dir's paths (a CI run once trained from a deleted
-directory this way), and an entry whose files were deleted must be rebuilt.
+The cached stages persist their results in the object store, which runs of many work dirs can
+share, while each run's artifacts live under its own `storage.work_dir`. A cached result is a
+set of absolute paths, so a run must never be handed another work dir's paths (a CI run once
+trained from a deleted directory this way), and an entry whose files were deleted must be rebuilt.
 """
 
 import json
@@ -19,12 +19,12 @@ from pathlib import Path
 from prefect import flow
 from tasks.artifacts import prepare_data
 
-work_a, work_b = sys.argv[1], sys.argv[2]
+work_a, work_b, store = sys.argv[1], sys.argv[2], sys.argv[3]
 
 @flow(name="artifact-cache-test")
 def check() -> dict:
     def data(work):
-        return prepare_data(config={"storage": {"work_dir": work}})
+        return prepare_data(config={"storage": {"work_dir": work, "object_store_uri": store}})
     first_a, first_b = data(work_a), data(work_b)
     again_a = data(work_a)
     Path(again_a["train_path"]).unlink()
@@ -45,7 +45,8 @@ def test_each_work_dir_gets_its_own_artifacts_and_deleted_files_are_rebuilt(tmp_
     work_a, work_b = tmp_path / "a", tmp_path / "b"
     log = tmp_path / "child.log"
     with log.open("w") as out:
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(work_a), str(work_b)], cwd=REPO,
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(work_a), str(work_b), (tmp_path / "store").as_uri()],
+                              cwd=REPO,
                               env=_child_env(tmp_path / "shared-prefect"), stdout=out,
                               stderr=subprocess.STDOUT, timeout=300)
     output = log.read_text()
@@ -57,6 +58,10 @@ def test_each_work_dir_gets_its_own_artifacts_and_deleted_files_are_rebuilt(tmp_
     assert result["again_a"] == result["first_a"]  # a cache hit for the same work dir
     assert all(os.path.isfile(p) for p in result["rebuilt_a"].values())
     assert output.count("Cached(type=COMPLETED)") >= 1, output[-4000:]
+    # the results live in the shared object store, one record per (dataset, work dir)
+    records = sorted(p.name for p in (tmp_path / "store" / "prefect-results").iterdir())
+    assert len(records) == 2 and all(name.startswith("data-") for name in records), records
+    assert not (tmp_path / "shared-prefect" / "storage").exists()
 
 
 def test_local_environment_refuses_a_prefect_imported_with_other_settings(tmp_path):
