@@ -116,17 +116,10 @@ def megatron_step(model, optimizer, tokens, vocab_size: int):
 
 
 def hf_step(model, optimizer, tokens, vocab_size: int):
-    import torch
-
     from miles_core.training.fsdp import causal_lm_logprobs
 
     logp, _ = causal_lm_logprobs(model, tokens, None, 1.0)
-    loss = -logp.mean()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return _hf_update(model, optimizer, logp)
 
 
 def hf_step_log_softmax(model, optimizer, tokens, vocab_size: int):
@@ -135,6 +128,13 @@ def hf_step_log_softmax(model, optimizer, tokens, vocab_size: int):
 
     logits = model(input_ids=tokens).logits[:, :-1]
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return _hf_update(model, optimizer, logp)
+
+
+def _hf_update(model, optimizer, logp):
+    """Mean NLL backward, grad clip, AdamW step."""
+    import torch
+
     loss = -logp.mean()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
