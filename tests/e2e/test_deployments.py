@@ -61,7 +61,7 @@ def deployed(tmp_path_factory):
         if worker is not None:
             os.killpg(worker.pid, signal.SIGTERM)
             try:
-                worker.wait(timeout=30)
+                worker.wait(timeout=10)
             except subprocess.TimeoutExpired:  # Prefect's worker can be slow to stop on a loaded machine
                 os.killpg(worker.pid, signal.SIGKILL)
                 worker.wait(timeout=30)
