@@ -53,21 +53,26 @@ def _run_key(resume_from: str | None, flow_run_id) -> str:
     return resume_from or str(flow_run_id or f"local-{int(time.time())}")
 
 
-def _stop_driver_jobs(flow, flow_run, state) -> None:
-    """on_cancellation: a driver Ray Job must not go on training after its flow run."""
+def _hook_context(flow_run) -> tuple[RunConfig, str]:
+    """The recipe and run key of a flow run, rebuilt from its parameters (state hooks get no result)."""
     params = flow_run.parameters
     cfg = load_config(params.get("config_path", "configs/local.yaml"), params.get("overrides") or [])
+    return cfg, _run_key(params.get("resume_from"), flow_run.id)
+
+
+def _stop_driver_jobs(flow, flow_run, state) -> None:
+    """on_cancellation: a driver Ray Job must not go on training after its flow run."""
+    cfg, run_key = _hook_context(flow_run)
     if cfg.placement.driver == "ray_job":
-        stopped = ray_jobs.stop_live(jobs_client(cfg.placement), _run_key(params.get("resume_from"), flow_run.id))
+        stopped = ray_jobs.stop_live(jobs_client(cfg.placement), run_key)
         flow_run_logger(flow_run, flow).info("flow run cancelled: stopped driver jobs %s", stopped)
 
 
 def _mark_mlflow_failed(flow, flow_run, state) -> None:
     """on_failure / on_crashed: the MLflow run ends FAILED instead of staying RUNNING (a later
     `miles run --resume` or `resume_from` sets it RUNNING again)."""
-    params = flow_run.parameters
-    cfg = load_config(params.get("config_path", "configs/local.yaml"), params.get("overrides") or [])
-    found = tracking.find_run(cfg, _run_key(params.get("resume_from"), flow_run.id))
+    cfg, run_key = _hook_context(flow_run)
+    found = tracking.find_run(cfg, run_key)
     if found is not None:
         tracking.finish(*found, "FAILED")
         flow_run_logger(flow_run, flow).info("MLflow run %s marked FAILED", found[1])
