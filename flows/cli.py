@@ -84,12 +84,19 @@ def layout_rows(cfg: RunConfig) -> list[tuple[str, str]]:
                     f"{gpu(cfg.rollout.gpus_per_engine)} each"),
         ("batch", f"{cfg.rollout.num_prompts_per_step} prompts x {cfg.rollout.num_samples_per_prompt} samples, "
                   f"<= {cfg.rollout.max_new_tokens} new tokens"),
-        ("steps", f"{cfg.warmup.sft_steps} SFT warm-up, {cfg.training.num_steps} {cfg.algorithm.name} steps, "
+        ("steps", f"{_warmup_steps(cfg)} SFT warm-up, {cfg.training.num_steps} {cfg.algorithm.name} steps, "
                   f"checkpoint every {cfg.checkpoint.interval_steps}"),
         ("loop", f"{cfg.rollout.loop}, weights by {cfg.rollout.weight_transport}"),
         ("placement", f"{cfg.placement.layout}: {strategy(cfg)} placement group"),
         *describe(cfg),
     ]
+
+
+def _warmup_steps(cfg) -> str:
+    w = cfg.warmup
+    if w.target_pass_at_1 is None or w.sft_steps == 0:
+        return str(w.sft_steps)
+    return f"<= {w.sft_steps} (until probe pass@1 >= {w.target_pass_at_1:g})"
 
 
 @app.command()
@@ -142,7 +149,10 @@ def print_summary(summary: dict) -> None:
     table = Table("what", "where / value", title=f"run {summary['run_key']}: {summary['status']}")
     table.columns[1].overflow = "fold"
     table.add_row("held-out pass@1", f"{summary['eval']['before']:.3f} -> {summary['eval']['after']:.3f}")
-    table.add_row("steps", f"{summary['steps']} (resumed from {summary['resumed_from_step']})")
+    warmup = summary.get("warmup") or {}
+    if warmup.get("probe_pass_at_1") is not None:
+        table.add_row("SFT warm-up", f"{warmup['sft_steps']} steps, probe pass@1 {warmup['probe_pass_at_1']:.3f}")
+    table.add_row("RL steps", f"{summary['steps']} (resumed from {summary['resumed_from_step']})")
     table.add_row("summary", str(Path(summary["run_dir"]) / "summary.json"))
     table.add_row("checkpoint", summary["checkpoint_uri"])
     table.add_row("HF export", summary["hf_export_uri"])

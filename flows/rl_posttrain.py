@@ -14,7 +14,7 @@ from prefect.runtime import deployment, flow_run
 from miles_core import checkpoint as ckpt
 from miles_core import ray_jobs, reports, tracking
 from miles_core.config import RunConfig, load_config
-from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, sft_warmup
+from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, prepare_teacher, sft_warmup
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate
 from tasks.promote import PromotionRolledBack, promote
@@ -46,6 +46,18 @@ def _promote(cfg: RunConfig, uri: str, version: str) -> dict:
     except PromotionRolledBack as exc:
         get_run_logger().error("%s", exc)
         return {"promoted": False, "reason": "rolled back", "error": str(exc), "version": version}
+
+
+def _student_and_teacher(cfg: RunConfig, config: dict, base: dict, warmed: dict) -> tuple[dict, dict | None]:
+    """The model RL starts from, and the distillation teacher (None without distillation).
+    teacher_source `warmup` distils the warm-up's result into the untouched starting model;
+    any other teacher_source is prepared (downloaded, cached) like model.source."""
+    source = cfg.algorithm.teacher_source
+    if cfg.algorithm.effective_opd_coef == 0:
+        return warmed, None
+    if source == "warmup":
+        return base, warmed
+    return warmed, prepare_teacher(config=config)
 
 
 def _run_key(resume_from: str | None, flow_run_id) -> str:
@@ -101,7 +113,9 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
     with timer("ensure_ray"):
         ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir)
     with timer("sft_warmup"):
-        policy = sft_warmup(config=config, model=model, data=data)
+        warmed = sft_warmup(config=config, model=model, data=data)
+    with timer("prepare_teacher"):
+        policy, teacher = _student_and_teacher(cfg, config, model, warmed)
     with timer("convert"):
         converted = convert_checkpoint(config=config, model=policy)
     with timer("eval_before"):
@@ -109,6 +123,7 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
     tracking.log_eval(uri, mlflow_run, "before", before["heldout"], step=0)
     reports.log_eval_metrics(uri, mlflow_run, "before", before, step=0)
     spec = {"config": config, "model_dir": converted["model_dir"], "megatron_dir": converted["megatron_dir"],
+            "teacher_dir": teacher and teacher["model_dir"],
             "train_path": data["train_path"], "run_dir": str(run_path), "eval_path": data["eval_path"],
             "store_uri": cfg.storage.store_uri(), "run_key": run_key}
     with timer("train"):
@@ -136,6 +151,9 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
         "eval": {"before": before["heldout"]["pass@1"], "after": after["heldout"]["pass@1"],
                  "num_prompts": after["heldout"].get("num_prompts")},
         "eval_details": {"before": reports.summary_metrics(before), "after": reports.summary_metrics(after)},
+        "warmup": {"sft_steps": warmed.get("sft_steps", 0), "probe_pass_at_1": warmed.get("probe_pass_at_1"),
+                   "reached_target": warmed.get("reached_target")},
+        "teacher_dir": teacher and teacher["model_dir"],
         "promotion": promotion,
         "steps": result["steps"], "resumed_from_step": result["resumed_from_step"],
         "checkpoint_uri": uploaded["checkpoint_uri"], "hf_export_uri": uploaded["hf_export_uri"],

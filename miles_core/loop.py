@@ -45,7 +45,9 @@ class LoopState:
 def collect_rollouts(cfg: RunConfig, manager: RolloutManager, source: PromptSource, seed: int
                      ) -> tuple[list[Sample], dict[str, float]]:
     """One step's batch. With dynamic sampling, groups whose rewards are all equal carry no
-    signal and are dropped; more prompts are drawn until the batch is full (or rounds run out)."""
+    signal and are dropped; more prompts are drawn (in rounds of a full batch, groups kept in
+    the order drawn) until the batch is full. When algorithm.max_sampling_rounds run out first,
+    algorithm.short_batch decides: train on the shorter batch (a logged, metered decision) or fail."""
     n, wanted = cfg.rollout.num_samples_per_prompt, cfg.rollout.num_prompts_per_step
     if not cfg.algorithm.dynamic_sampling:
         return manager.generate(source.next_batch(wanted), seed), {}
@@ -59,10 +61,22 @@ def collect_rollouts(cfg: RunConfig, manager: RolloutManager, source: PromptSour
                 kept.extend(samples[group * n : (group + 1) * n])
             dropped += not ok
         rounds += 1
-    if not kept:
-        raise RuntimeError("dynamic sampling kept no group (all rewards equal in every group); "
-                           "raise algorithm.max_sampling_rounds or disable algorithm.dynamic_sampling")
-    return kept[: wanted * n], {"rollout/dropped_groups": float(dropped), "rollout/sampling_rounds": float(rounds)}
+    kept_groups = min(len(kept) // n, wanted)
+    if kept_groups < wanted:
+        _short_batch(cfg, kept_groups, dropped, rounds)
+    metrics = {"rollout/dropped_groups": float(dropped), "rollout/sampling_rounds": float(rounds),
+               "rollout/kept_groups": float(kept_groups), "rollout/short_batch": float(kept_groups < wanted)}
+    return kept[: kept_groups * n], metrics
+
+
+def _short_batch(cfg: RunConfig, kept_groups: int, dropped: int, rounds: int) -> None:
+    a, wanted = cfg.algorithm, cfg.rollout.num_prompts_per_step
+    what = (f"dynamic sampling kept {kept_groups} of {wanted} groups after {rounds} rounds "
+            f"({dropped} groups had all-equal rewards)")
+    if kept_groups == 0 or a.short_batch == "fail":
+        raise RuntimeError(f"{what}; raise algorithm.max_sampling_rounds, or set algorithm.short_batch=train to "
+                           "train on a shorter batch, or disable algorithm.dynamic_sampling")
+    log.warning("%s: training on the shorter batch (algorithm.short_batch=train)", what)
 
 
 def rollout_metrics(cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:

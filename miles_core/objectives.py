@@ -28,6 +28,20 @@ def old_logp_from_update_forward(cfg: AlgorithmConfig, num_updates: int) -> bool
             and cfg.correction.kind == "none" and cfg.old_logprob_source == "trainer" and not cfg.uses_critic)
 
 
+def anchor_old_logprobs(cfg: AlgorithmConfig, b: Batch) -> None:
+    """Choose what the PPO ratio is taken against (b["old_logp"]); both backends call this.
+
+    trainer: the trainer's recomputed log-probs, and a correction (tis/icepop/mis) may weight
+    each token by exp(trainer - rollout). rollout: the behaviour policy's log-probs, so the
+    ratio pi_theta / pi_rollout itself corrects the mismatch (and validation rejects a
+    correction on top, which would count it twice). The recomputed log-probs stay in
+    b["trainer_logp"] for the mismatch metrics either way.
+    """
+    b["trainer_logp"] = b["old_logp"]
+    if cfg.old_logprob_source == "rollout":
+        b["old_logp"] = b["rollout_logp"] * b["mask"]
+
+
 def _reward_kl(cfg: AlgorithmConfig, b: Batch) -> torch.Tensor | None:
     if cfg.kl_in_reward_coef == 0:
         return None

@@ -1,8 +1,11 @@
-"""Supervised warm-up: a few SFT steps on the training labels before RL begins."""
+"""Supervised warm-up: SFT on the training labels before RL begins, optionally stopped at a
+probe accuracy (warmup.target_pass_at_1) instead of a fixed step count."""
 
 from __future__ import annotations
 
+import logging
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -12,22 +15,84 @@ from miles_core.config import RunConfig
 from miles_core.data import Prompt, sft_samples
 from miles_core.training.fsdp import FSDPTrainer
 
+log = logging.getLogger(__name__)
+ProgressFn = Callable[[int, float, float | None], None]
+"""(step, loss, probe pass@1 or None when not measured at this step)."""
+
+
+@dataclass
+class WarmupResult:
+    model_dir: Path
+    steps: int
+    """SFT steps actually trained."""
+    probe_pass_at_1: float | None
+    """Greedy pass@1 on the probe prompts at the end (None without a target)."""
+    reached_target: bool | None
+    """Whether target_pass_at_1 was reached within sft_steps (None without a target)."""
+
+
+def split_probe(cfg: RunConfig, prompts: list[Prompt]) -> tuple[list[Prompt], list[Prompt]]:
+    """(SFT prompts, probe prompts): a seeded sample held out of the warm-up when a target is set."""
+    if cfg.warmup.target_pass_at_1 is None:
+        return prompts, []
+    num_probe = cfg.warmup.num_probe_prompts
+    if num_probe >= len(prompts):
+        raise ValueError(f"warmup.num_probe_prompts={num_probe} leaves no training prompts for the warm-up "
+                         f"({len(prompts)} in all): lower it")
+    held = set(random.Random(cfg.seed).sample(range(len(prompts)), num_probe))
+    return [p for i, p in enumerate(prompts) if i not in held], [p for i, p in enumerate(prompts) if i in held]
+
+
+class _Probe:
+    """Greedy pass@1 of the trainer's current weights on the probe prompts, on an embedded
+    engine in this process (the warm-up is a small-model stage)."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, prompts: list[Prompt]):
+        from miles_core.rollout.engine import EmbeddedEngine
+
+        self.cfg, self.prompts = cfg, prompts
+        self.engine = EmbeddedEngine(model_dir, cfg.model.dtype, cfg.training.num_threads, device="cpu")
+
+    def score(self, trainer, step: int) -> float:
+        from miles_core.evaluation import evaluate_greedy
+
+        weights = ray.get(trainer.hf_state_dict.remote(to_cpu=True))
+        self.engine.update_weights_from_tensors(weights, f"warmup-{step}")
+        e = self.cfg.eval
+        return evaluate_greedy(self.engine, self.prompts, self.cfg.rollout.reward, e.max_new_tokens,
+                               e.batch_size)["pass@1"]
+
 
 def run_sft_warmup(cfg: RunConfig, model_dir: str, prompts: list[Prompt], tokenizer, out_dir: str | Path,
-                   on_step: Callable[[int, float], None] | None = None) -> Path:
-    """Train cfg.warmup.sft_steps supervised steps from model_dir in a trainer actor; save HF."""
-    training = cfg.training.model_copy(update={"lr": cfg.warmup.lr, "lr_warmup_steps": 0})
+                   on_step: ProgressFn | None = None) -> WarmupResult:
+    """Train up to cfg.warmup.sft_steps supervised steps from model_dir in a trainer actor
+    (stopping early at warmup.target_pass_at_1); save the result as an HF directory."""
+    w = cfg.warmup
+    train_prompts, probe_prompts = split_probe(cfg, prompts)
+    training = cfg.training.model_copy(update={"lr": w.lr, "lr_warmup_steps": 0})
     actor_cls = ray.remote(num_cpus=cfg.training.cpus_per_trainer, num_gpus=cfg.training.gpus_per_trainer)(FSDPTrainer)
     trainer = actor_cls.remote(model_dir, training, cfg.algorithm, seed=cfg.seed)
+    probe = _Probe(cfg, model_dir, probe_prompts) if probe_prompts else None
+    score, steps = None, 0
     try:
-        samples = sft_samples(prompts, tokenizer)
+        samples = sft_samples(train_prompts, tokenizer)
         rng = random.Random(cfg.seed)
-        for step in range(cfg.warmup.sft_steps):
-            batch = rng.sample(samples, min(cfg.warmup.batch_size, len(samples)))
+        for step in range(w.sft_steps):
+            batch = rng.sample(samples, min(w.batch_size, len(samples)))
             loss = ray.get(trainer.sft_step.remote(batch))
+            steps = step + 1
+            checked = probe is not None and (steps % w.check_interval_steps == 0 or steps == w.sft_steps)
+            score = probe.score(trainer, steps) if checked else score
             if on_step:
-                on_step(step, loss)
+                on_step(step, loss, score if checked else None)
+            if checked and score >= w.target_pass_at_1:
+                break
         ray.get(trainer.export_hf.remote(str(out_dir)))
     finally:
         ray.kill(trainer)
-    return Path(out_dir)
+    reached = None if probe is None else score >= w.target_pass_at_1
+    if reached is False:
+        log.warning("SFT warm-up ended at its step limit (%d) with probe pass@1 %.3f, below warmup.target_pass_at_1="
+                    "%.3f: RL starts weaker than the recipe intends (raise warmup.sft_steps or warmup.lr)",
+                    steps, score, w.target_pass_at_1)
+    return WarmupResult(Path(out_dir), steps, score, reached)

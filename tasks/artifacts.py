@@ -23,7 +23,7 @@ from miles_core.config import RunConfig
 from miles_core.models import materialize_model, model_identity
 from tasks.retry import retry_infrastructure_only
 
-ARTIFACT_VERSION = "v1"
+ARTIFACT_VERSION = "v2"
 RESULTS_PREFIX = "prefect-results"
 
 
@@ -76,6 +76,13 @@ def _prepare_model(config: dict) -> dict:
 def prepare_model(config: dict) -> dict:
     """The starting model (cached): {model_dir, identity}."""
     return _fresh(_prepare_model, lambda result: Path(result["model_dir"]).is_dir(), config=config)
+
+
+def prepare_teacher(config: dict) -> dict:
+    """The distillation teacher named by algorithm.teacher_source, prepared (and cached) exactly
+    like the starting model: {model_dir, identity}."""
+    teacher_source = config["algorithm"]["teacher_source"]
+    return prepare_model(config={**config, "model": {**config["model"], "source": teacher_source}})
 
 
 def _data_key(context, params) -> str:
@@ -134,12 +141,16 @@ def _sft_warmup(config: dict, model: dict, data: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model["model_dir"])
     prompts = read_prompts(data["train_path"], cfg.data, tokenizer)
 
-    def progress(step: int, loss: float) -> None:
-        if (step + 1) % 25 == 0 or step + 1 == cfg.warmup.sft_steps:
-            logger.info("sft warm-up step %d/%d loss %.3f", step + 1, cfg.warmup.sft_steps, loss)
+    def progress(step: int, loss: float, probe_pass_at_1: float | None) -> None:
+        probe = "" if probe_pass_at_1 is None else f", probe pass@1 {probe_pass_at_1:.3f}"
+        if (step + 1) % 50 == 0 or step + 1 == cfg.warmup.sft_steps:
+            logger.info("sft warm-up step %d/%d loss %.3f%s", step + 1, cfg.warmup.sft_steps, loss, probe)
 
-    run_sft_warmup(cfg, model["model_dir"], prompts, tokenizer, out_dir, on_step=progress)
-    return {"model_dir": str(out_dir), "identity": f"warmup:{key}"}
+    result = run_sft_warmup(cfg, model["model_dir"], prompts, tokenizer, out_dir, on_step=progress)
+    logger.info("sft warm-up done after %d steps (probe pass@1 %s, target %s)", result.steps,
+                result.probe_pass_at_1, cfg.warmup.target_pass_at_1)
+    return {"model_dir": str(out_dir), "identity": f"warmup:{key}", "sft_steps": result.steps,
+            "probe_pass_at_1": result.probe_pass_at_1, "reached_target": result.reached_target}
 
 
 def sft_warmup(config: dict, model: dict, data: dict) -> dict:

@@ -78,12 +78,17 @@ class AlgorithmConfig(Section):
     """Teacher model for distillation: a model source like model.source, or `warmup` for the
     SFT warm-up's result (the student then starts from model.source untouched)."""
     old_logprob_source: Literal["trainer", "rollout"] = "trainer"
-    """Log-probs the PPO ratio is taken against: recomputed by the trainer before the update,
-    or the rollout engine's (the behaviour policy; an off-policy correction for async loops)."""
+    """Log-probs the PPO ratio is taken against: recomputed by the trainer before the update
+    (optionally weighted by algorithm.correction), or the rollout engine's (the behaviour policy:
+    the ratio itself corrects off-policy samples of async loops; no correction on top)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal, over-sample until full."""
     max_sampling_rounds: int = Field(4, ge=1)
     """Rollout rounds per step at most when dynamic sampling keeps too few groups."""
+    short_batch: Literal["train", "fail"] = "train"
+    """Dynamic sampling, when max_sampling_rounds run out before the batch is full: train on
+    the groups kept (a warning, and rollout/short_batch = 1 in the step's metrics) or fail the
+    run. A step that kept no group always fails."""
 
     @property
     def uses_critic(self) -> bool:
@@ -109,6 +114,11 @@ class AlgorithmConfig(Section):
                              "algorithm.correction.kind=mis with level=sequence or geometric")
         if (self.name == "opd" or self.opd_coef > 0) and not self.teacher_source:
             raise ValueError("distillation needs a teacher: set algorithm.teacher_source (a model source or 'warmup')")
+        if self.old_logprob_source == "rollout" and self.correction.kind != "none":
+            raise ValueError("algorithm.old_logprob_source=rollout takes the PPO ratio against the rollout log-probs, "
+                             "which already corrects the rollout/trainer mismatch; a correction weight on top counts it "
+                             "twice: set algorithm.correction.kind=none, or old_logprob_source=trainer to keep the "
+                             f"{self.correction.kind} correction")
         if self.correction.low >= self.correction.high:
             raise ValueError("algorithm.correction.low must be below correction.high")
         return self

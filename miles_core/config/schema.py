@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from miles_core.config.algorithm import GROUP_ALGORITHMS, AlgorithmConfig
 from miles_core.config.base import Section
@@ -87,12 +87,23 @@ class DataConfig(Section):
 
 class WarmupConfig(Section):
     sft_steps: int = Field(60, ge=0)
-    """Supervised steps on the training labels before RL; 0 skips the warm-up. Kept short
-    so the policy has room to improve with RL."""
+    """Supervised steps on the training labels before RL (at most, with target_pass_at_1);
+    0 skips the warm-up."""
     batch_size: int = Field(64, ge=1)
     """Examples per warm-up step."""
     lr: float = Field(3e-3, gt=0)
     """Learning rate of the warm-up."""
+    target_pass_at_1: float | None = Field(None, gt=0, le=1)
+    """Stop the warm-up once greedy pass@1 on the probe prompts reaches this (checked every
+    check_interval_steps), so RL starts from a known level whatever the machine: small models
+    learn a task in a sudden jump whose timing floating-point noise shifts by hundreds of
+    steps, and a fixed step count then lands anywhere from 3% to 50%. None trains exactly
+    sft_steps."""
+    check_interval_steps: int = Field(10, ge=1)
+    """Steps between probe evaluations when target_pass_at_1 is set."""
+    num_probe_prompts: int = Field(200, ge=1)
+    """Training prompts held out of the warm-up (a seeded sample) to measure target_pass_at_1
+    on; RL still trains on them."""
 
 
 class RolloutConfig(Section):
@@ -111,7 +122,7 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
     reward: str = "exact_match"
-    """Reward function: a registered name (exact_match, math_boxed, dapo) or `module:function`."""
+    """Reward function: a registered name (exact_match, math, math_boxed, dapo) or `module:function`."""
     weight_transport: Literal["object_store", "broadcast", "disk"] = "object_store"
     """How weights reach the engines after each step: Ray's object store (same node, zero
     copy), a torch.distributed broadcast from the trainer (gloo on CPU, NCCL on GPU, bucketed),
@@ -421,12 +432,24 @@ class RunConfig(Section):
             raise ValueError("SGLang engines run in their own process: set rollout.weight_transport=broadcast "
                              "(or disk)")
         self._routing_replay_fits()
+        self._teacher_fits()
         if self.rollout.engine == "sglang" and self.rollout.gpus_per_engine == 0:
             raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1")
         if self.training.backend == "megatron" and self.rollout.weight_transport == "broadcast":
             raise ValueError("the Megatron trainer has no broadcast sender yet: set rollout.weight_transport=disk "
                              "(a filesystem trainer and engines share) or object_store (embedded engines)")
         return self
+
+    def _teacher_fits(self) -> None:
+        source = self.algorithm.teacher_source
+        if source == "warmup" and self.warmup.sft_steps == 0:
+            raise ValueError("algorithm.teacher_source=warmup distils the SFT warm-up's result, but warmup.sft_steps=0: "
+                             "set warmup.sft_steps > 0 or teacher_source to a model source")
+        if source not in (None, "warmup"):
+            try:
+                ModelConfig(source=source)
+            except ValidationError as exc:
+                raise ValueError(f"algorithm.teacher_source: {exc.errors()[0]['msg']}") from None
 
     def _routing_replay_fits(self) -> None:
         if not self.training.megatron.routing_replay:

@@ -202,8 +202,8 @@ class FSDPTrainer:
         batch = pad_batch(samples, self.tokenizer.pad_token_id)
         lazy_old = objectives.old_logp_from_update_forward(cfg, num_updates)
         self._score(batch, with_old=not lazy_old)
-        if cfg.old_logprob_source == "rollout":  # ratio against the behaviour policy
-            batch["trainer_logp"], batch["old_logp"] = batch["old_logp"], batch["rollout_logp"] * batch["mask"]
+        if not lazy_old:
+            objectives.anchor_old_logprobs(cfg, batch)
         objectives.compute_advantages(cfg, batch, self.group_size)
         weights = objectives.importance_weights(cfg, batch)
         batch["is_weights"] = weights if weights is not None else torch.ones_like(batch["mask"])
@@ -228,7 +228,7 @@ class FSDPTrainer:
         metrics["rollout/train_logprob_abs_diff"] = metrics["mismatch/logprob_abs_diff"]
         metrics["train/advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
         if self.teacher is not None:
-            metrics["opd/reverse_kl"] = float(((batch["old_logp"] - batch["teacher_logp"]) * mask).sum() / mask.sum())
+            metrics["opd/reverse_kl"] = float(((train_logp - batch["teacher_logp"]) * mask).sum() / mask.sum())
         return metrics
 
     def _update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -9,12 +9,10 @@ import ray
 from transformers import AutoTokenizer
 
 from miles_core.config import build_config
-from miles_core.data import read_prompts, write_arithmetic_task
+from miles_core.data import read_prompts
 from miles_core.evaluation import evaluate_greedy
 from miles_core.rollout.engine import EmbeddedEngine
-from miles_core.tiny import build_tiny_model
 from miles_core.train import TrainSpec, run_training
-from miles_core.warmup import run_sft_warmup
 from tests.conftest import REPO
 
 RL_STEPS = 40
@@ -33,17 +31,12 @@ ALGORITHMS = {
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    """A tiny model after the local recipe's SFT warm-up, shared by every algorithm."""
+def warm(warm_tiny, tmp_path_factory):
+    """The recipe's warmed-up tiny model (shared by the session), on this module's Ray."""
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    root = tmp_path_factory.mktemp("algos")
-    cfg = build_config({}, ["warmup.sft_steps=250", "warmup.batch_size=128", "warmup.lr=1e-2"])
-    base = build_tiny_model(cfg.model.tiny, root / "base")
-    train, held_out = write_arithmetic_task(cfg.data.builtin, root / "data")
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    warm_dir = run_sft_warmup(cfg, str(base), read_prompts(train, cfg.data, tokenizer), tokenizer, root / "warm")
-    yield {"root": root, "base": base, "warm": warm_dir, "train": train,
-           "eval": read_prompts(held_out, cfg.data, tokenizer)}
+    tokenizer = AutoTokenizer.from_pretrained(warm_tiny["base"])
+    yield {"root": tmp_path_factory.mktemp("algos"), "base": warm_tiny["base"], "warm": warm_tiny["warm"],
+           "train": warm_tiny["train"], "eval": read_prompts(warm_tiny["eval"], warm_tiny["cfg"].data, tokenizer)}
     ray.shutdown()
 
 

@@ -7,6 +7,8 @@ import threading
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file
 import ray
 from ray.cluster_utils import Cluster
 
@@ -46,7 +48,8 @@ def actor_nodes(class_name: str) -> set[str]:
     return {a.node_id for a in list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])}
 
 
-def test_broadcast_sync_across_nodes_verified_equal(two_nodes, tmp_path, tiny_model_dir):
+def test_broadcast_sync_across_nodes_verified_equal(two_nodes, tmp_path, warm_tiny):
+    tiny_model_dir = warm_tiny["warm"]  # a model that scores: its weights move every step
     placed = {}
 
     def on_step(state):
@@ -58,9 +61,15 @@ def test_broadcast_sync_across_nodes_verified_equal(two_nodes, tmp_path, tiny_mo
     assert len(placed["trainer"]) == 1 and len(placed["engines"]) == 1
     assert placed["trainer"] != placed["engines"]  # disaggregated: different nodes
     assert all(h["weights/broadcast_gbytes"] > 0 for h in result.history)
+    # every step's rollout came from the weights the trainer had: the broadcast was delivered
+    assert max(h["rollout/train_logprob_abs_diff"] for h in result.history) <= 1e-4
+    initial = load_file(f"{tiny_model_dir}/model.safetensors")
+    exported = load_file(f"{result.hf_export_dir}/model.safetensors")
+    assert any(not torch.equal(exported[k], initial[k]) for k in initial)
 
 
-def test_engine_killed_mid_rollout_is_restarted(two_nodes, tmp_path, tiny_model_dir, monkeypatch):
+def test_engine_killed_mid_rollout_is_restarted(two_nodes, tmp_path, warm_tiny, monkeypatch):
+    tiny_model_dir = warm_tiny["warm"]
     from miles_core.rollout.engine_group import EngineGroup
 
     original, armed, killed = EngineGroup.generate, threading.Event(), threading.Event()
@@ -80,3 +89,5 @@ def test_engine_killed_mid_rollout_is_restarted(two_nodes, tmp_path, tiny_model_
     assert result.steps == NUM_STEPS
     assert [h["step"] for h in result.history] == list(range(1, NUM_STEPS + 1))
     assert sum(h["rollout/engine_restarts"] for h in result.history) == 1
+    # the restarted engine got the current weights, not its model directory's
+    assert max(h["rollout/train_logprob_abs_diff"] for h in result.history) <= 1e-4

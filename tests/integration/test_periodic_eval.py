@@ -2,6 +2,8 @@
 
 import pytest
 import ray
+import torch
+from safetensors.torch import load_file
 
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
@@ -42,14 +44,19 @@ def final_export_score(cfg, heldout, result):
      "algorithm.correction.kind=tis"],
 ], ids=["rollout-engines-sync", "dedicated-engines-async"])
 def test_periodic_eval_scores_the_step_weights_and_is_durable_with_its_checkpoint(
-        ray_local, tmp_path, tiny_model_dir, overrides):
-    cfg, heldout, result, events = run(tmp_path, tiny_model_dir, "run", overrides)
+        ray_local, tmp_path, warm_tiny, overrides):
+    # A model that already scores (a random one scores 0.0 with any weights): the weights move
+    # each step, so equal scores mean the eval saw this step's weights.
+    cfg, heldout, result, events = run(tmp_path, warm_tiny["warm"], "run", overrides)
     assert [row["step"] for row in result.periodic_eval] == [2, 4]
     # Each step's eval is handed to the metrics logger before that step's checkpoint flushes it.
     assert events == [("eval", 2), ("checkpoint", 2), ("eval", 4), ("checkpoint", 4)]
     # Greedy decoding of the final weights: the in-training eval equals a fresh eval of the export.
     assert result.periodic_eval[-1][KEY] == pytest.approx(final_export_score(cfg, heldout, result), abs=1e-9)
-    assert 0.0 <= result.periodic_eval[0][KEY] <= 1.0
+    assert result.periodic_eval[0][KEY] > 0 and result.periodic_eval[-1][KEY] > 0
+    initial = load_file(f"{warm_tiny['warm']}/model.safetensors")
+    exported = load_file(f"{result.hf_export_dir}/model.safetensors")
+    assert any(not torch.equal(exported[k], initial[k]) for k in initial)
 
 
 def test_no_eval_path_means_no_periodic_eval(ray_local, tmp_path, tiny_model_dir):

@@ -26,8 +26,12 @@ def spec_for(tmp_path, tiny_model_dir, run_dir, num_steps):
     return TrainSpec(cfg.model_dump(mode="json"), str(tiny_model_dir), str(train), str(run_dir))
 
 
-def test_resume_continues_bit_exactly(ray_local, tmp_path, tiny_model_dir):
+def test_resume_continues_bit_exactly(ray_local, tmp_path, warm_tiny):
+    # A model that already scores: its rewards vary and its weights move, so an equal history
+    # and equal weights prove the resume restored weights, optimizer, data cursor and RNG.
+    tiny_model_dir = warm_tiny["warm"]
     straight = run_training(spec_for(tmp_path, tiny_model_dir, tmp_path / "straight", 6))
+    assert len({h["rollout/reward_mean"] for h in straight.history}) > 1
     assert straight.steps == 6 and straight.resumed_from_step is None
 
     first = run_training(spec_for(tmp_path, tiny_model_dir, tmp_path / "resumed", 4))
@@ -42,11 +46,17 @@ def test_resume_continues_bit_exactly(ray_local, tmp_path, tiny_model_dir):
     a = load_file(f"{straight.final_checkpoint_dir}/model.safetensors")
     b = load_file(f"{resumed.final_checkpoint_dir}/model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    initial = load_file(f"{tiny_model_dir}/model.safetensors")
+    assert any(not (a[k] == initial[k]).all() for k in a)  # training moved the weights
     state = json.loads(open(f"{resumed.final_checkpoint_dir}/trainer_state.json").read())
     assert state["step"] == 6 and state["weight_version"] == 6
 
 
-def test_rollout_and_trainer_logprobs_agree(ray_local, tmp_path, tiny_model_dir):
-    result = run_training(spec_for(tmp_path, tiny_model_dir, tmp_path / "run", 1))
+def test_rollout_and_trainer_logprobs_agree(ray_local, tmp_path, warm_tiny):
+    # TIS needs the old log-probs before the update: a separate scoring pass, which must agree
+    # with the update's own forward (ppo_kl 0) and with the engine's log-probs.
+    spec = spec_for(tmp_path, warm_tiny["warm"], tmp_path / "run", 1)
+    spec.config["algorithm"]["correction"]["kind"] = "tis"
+    result = run_training(spec)
     assert result.history[0]["rollout/train_logprob_abs_diff"] <= 1e-4
     assert result.history[0]["train/ppo_kl"] == pytest.approx(0.0, abs=1e-7)

@@ -58,7 +58,9 @@ def test_kl_estimators_zero_at_equal_policies():
     x = torch.randn(10, dtype=torch.float64)
     for kind in ("k1", "k2", "k3"):
         assert torch.count_nonzero(algo.kl_estimate(x, x, kind)) == 0
-    y = x - 0.1
+    y = x - 0.1 * torch.rand(10, dtype=torch.float64)
+    assert torch.allclose(algo.kl_estimate(x, y, "k1"), x - y)
+    assert torch.allclose(algo.kl_estimate(x, y, "k2"), 0.5 * (x - y) ** 2)
     assert torch.allclose(algo.kl_estimate(x, y, "k3"), torch.exp(-(x - y)) - 1 + (x - y))
 
 

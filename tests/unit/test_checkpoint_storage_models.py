@@ -27,6 +27,11 @@ def test_corrupt_or_partial_checkpoints_are_skipped(tmp_path, caplog):
     good = ckpt.write_checkpoint(tmp_path, 10, "abc", _write)
     truncated = ckpt.write_checkpoint(tmp_path, 20, "abc", _write)
     (truncated / "model.safetensors").write_bytes(b"wei")
+    flipped = ckpt.write_checkpoint(tmp_path, 25, "abc", _write)
+    weights = bytearray((flipped / "model.safetensors").read_bytes())
+    weights[-1] ^= 1  # same size, one bit off: only the sha256 can tell
+    (flipped / "model.safetensors").write_bytes(bytes(weights))
+    assert ckpt.verify_checkpoint(flipped) == "model.safetensors sha256 mismatch"
     partial = tmp_path / "step_000030"
     partial.mkdir()
     _write(partial)  # no manifest: a write that died

@@ -5,7 +5,7 @@ from transformers import AutoTokenizer
 
 from miles_core.config import ArithmeticTaskConfig, DataConfig
 from miles_core.data import PromptSource, read_prompts, write_arithmetic_task
-from miles_core.rewards import dapo, exact_match, get_reward, last_boxed, math_boxed
+from miles_core.rewards import dapo, dapo_normalize, exact_match, get_reward, last_boxed, math_boxed, math_equivalent
 
 # Rows as they appear in the public files: slime's processed dapo-math-17k.jsonl (prompt +
 # label) and the original BytedTsinghua-SIA/DAPO-Math-17k layout (reward_model.ground_truth).
@@ -82,11 +82,83 @@ def test_rewards():
     assert exact_match("", "0") == 0.0
     assert last_boxed(r"so \boxed{\frac{1}{2}} and \boxed{7}") == "7"
     assert last_boxed(r"\boxed{\frac{1}{2}}") == r"\frac{1}{2}"
-    assert math_boxed(r"thus \boxed{34}", "34") == 1.0
-    assert math_boxed("34", "34") == 0.0
-    assert dapo("work...\nAnswer: 34", "34") == 1.0
-    assert dapo("Answer: 35", "34") == -1.0
     assert get_reward("exact_match") is exact_match
+    assert get_reward("math") is math_equivalent
     assert get_reward("miles_core.rewards:dapo") is dapo
     with pytest.raises(ValueError, match="registered"):
         get_reward("nope")
+
+
+# (response as models write it, label as dapo-math-17k stores it, expected DAPO reward)
+DAPO_CASES = [
+    ("Let me compute.\nAnswer: $34$", "34", 1.0),
+    ("Answer: 34", "34", 1.0),
+    ("Answer: \\boxed{34}", "34", 1.0),
+    ("answer: 34", "34", 1.0),  # case-insensitive
+    ("Answer:\n34", "34", 1.0),  # the value may start on the next line
+    ("Answer: 1,000", "1000", 1.0),
+    ("Answer: \\frac{1}{2}", "\\frac{1}{2}", 1.0),
+    ("Answer: \\frac12", "\\frac{1}{2}", 1.0),
+    ("Answer: x = 34", "34", 1.0),  # the part after the last '='
+    ("Answer: 34 degrees", "34", 1.0),
+    ("Answer: $34^\\circ$", "34", 1.0),
+    ("Answer: 33\nAnswer: 34", "34", 1.0),  # the last answer line counts
+    ("Answer: 35", "34", -1.0),
+    ("The answer is \\boxed{34}", "34", -1.0),  # no 'Answer:' line
+    ("Answer: 0.5", "\\frac{1}{2}", -1.0),  # DAPO compares strings, not values
+    ("Answer: 34" + "x" * 300, "34", -1.0),  # outside the last 300 characters
+    ("Answer: 34", "\\boxed{34}", 1.0),  # a boxed label is unwrapped too
+]
+
+
+@pytest.mark.parametrize("response,label,expected", DAPO_CASES)
+def test_dapo_reward_follows_dapos_normalisation(response, label, expected):
+    assert dapo(response, label) == expected
+
+
+def test_dapo_normalize():
+    assert dapo_normalize(" $1,000$ ") == "1000"
+    assert dapo_normalize("\\text{(B)}") == "(B)"
+    assert dapo_normalize("-1,000") == "-1,000"  # only all-digit numbers lose their commas
+
+
+# (response, label, expected `math` reward): equivalence, not string equality
+MATH_CASES = [
+    ("Answer: $34$", "34", 1.0),
+    ("so the result is \\boxed{34}", "34", 1.0),
+    ("34", "34", 1.0),
+    ("The answer is 34.", "34", 1.0),
+    ("$\\frac{1}{2}$", "0.5", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("Answer: 0.5", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("Answer: 1,000", "1000", 1.0),
+    ("\\boxed{1+x^2}", "x^2+1", 1.0),
+    ("\\boxed{3.14159265}", "\\pi", 1.0),
+    ("Answer: 35", "34", 0.0),
+    ("\\boxed{35}", "34", 0.0),
+    ("first 34, then 35", "34", 0.0),  # the last expression is the answer
+    ("no number here", "34", 0.0),
+]
+
+
+@pytest.mark.parametrize("response,label,expected", MATH_CASES)
+def test_math_reward_is_equivalence(response, label, expected):
+    assert math_equivalent(response, label) == expected
+
+
+@pytest.mark.parametrize("response,label,expected", [
+    ("thus \\boxed{34}", "34", 1.0),
+    ("thus \\boxed{\\frac{2}{4}}", "0.5", 1.0),
+    ("thus \\boxed{35}", "34", 0.0),
+    ("34", "34", 0.0),  # no box
+])
+def test_math_boxed_needs_a_box_and_compares_values(response, label, expected):
+    assert math_boxed(response, label) == expected
+
+
+def test_math_reward_works_off_the_main_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # async loops score rollouts in a producer thread
+        assert list(pool.map(math_equivalent, ["\\boxed{34}", "35"], ["34", "34"])) == [1.0, 0.0]

@@ -35,7 +35,8 @@ def test_pass_at_k_matches_brute_force_over_subsets(n):
 
 
 def test_pass_at_k_is_stable_for_large_n_and_rejects_bad_arguments():
-    assert 0.0 < pass_at_k(2000, 3, 1000) <= 1.0  # C(2000, 1000) overflows a float; the product does not
+    # C(2000, 1000) overflows a float; the product does not
+    assert pass_at_k(2000, 3, 1000) == pytest.approx(1 - (998 / 1998) * (999 / 1999) * (1000 / 2000), rel=1e-12)
     with pytest.raises(ValueError, match="k <= n"):
         pass_at_k(3, 1, 4)
     with pytest.raises(ValueError):
@@ -124,7 +125,11 @@ def test_evaluate_all_covers_heldout_and_extra_datasets(tiny_model_dir, tmp_path
 
     engine = EmbeddedEngine(str(tiny_model_dir), num_threads=2)
     greedy = evaluate_greedy(engine, read_prompts(eval_path, cfg.data, engine.tokenizer), "exact_match", 3, 256)
-    assert results["heldout"]["pass@1"] == greedy["pass@1"]
+    assert results["heldout"]["pass@1"] == greedy["pass@1"] and results["heldout"]["num_prompts"] == 12
+    # the same greedy responses, not just the same (zero) score of a random model
+    assert [e["responses"][0] for e in results["heldout"]["examples"]] == [e["response"] for e in greedy["examples"]]
+    assert results["sampled"]["num_prompts"] == 12
+    assert results["sampled"]["avg@2"] == pytest.approx(results["sampled"]["pass@1"])  # 0/1 rewards
 
     clash = cfg.model_copy(deep=True)
     clash.eval.datasets[0].name = "heldout"

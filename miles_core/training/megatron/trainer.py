@@ -276,15 +276,18 @@ class MegatronTrainer:
         cfg = self.algorithm
         batch = self._rl_batch(samples)
         self._score(batch)
+        objectives.anchor_old_logprobs(cfg, batch)
         objectives.compute_advantages(cfg, batch, self.group_size)
         weights = objectives.importance_weights(cfg, batch)
         batch["is_weights"] = weights if weights is not None else torch.ones_like(batch["mask"])
         mask = batch["mask"]
-        metrics = {k: float(v) for k, v in algo.mismatch_metrics(batch["old_logp"], batch["rollout_logp"], mask).items()}
+        metrics = {k: float(v) for k, v in algo.mismatch_metrics(batch["trainer_logp"], batch["rollout_logp"],
+                                                                 mask).items()}
         metrics["rollout/train_logprob_abs_diff"] = metrics["mismatch/logprob_abs_diff"]
         metrics["train/advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
         if self.teacher is not None:
-            metrics["opd/reverse_kl"] = float(((batch["old_logp"] - batch["teacher_logp"]) * mask).sum() / mask.sum())
+            metrics["opd/reverse_kl"] = float(((batch["trainer_logp"] - batch["teacher_logp"]) * mask).sum()
+                                              / mask.sum())
         chunk = -(-len(samples) // self.training.num_updates_per_step)
         for start in range(0, len(samples), chunk):
             metrics |= self._update(_select(batch, slice(start, start + chunk)))
