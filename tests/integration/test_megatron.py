@@ -218,6 +218,46 @@ def test_trainer_ppo_critic_trains_and_checkpoints(models, tmp_path):
         trainer.close()
 
 
+SHIFT = 0.3  # the behaviour policy (rollout) gave each sampled token e^-0.3 of the trainer's probability
+
+
+def _step_with_shifted_rollout(trainer_cls, model_dir: Path, algorithm: AlgorithmConfig) -> dict[str, float]:
+    trainer = trainer_cls(str(model_dir), TrainingConfig(**TRAINING), algorithm, group_size=2)
+    try:
+        samples = _samples()
+        for sample, logp in zip(samples, trainer.compute_logprobs(samples)):
+            sample.rollout_logprobs = [x - SHIFT for x in logp]
+        return trainer.train_step(samples)
+    finally:
+        trainer.close()
+
+
+def test_old_logprob_source_and_corrections_mean_the_same_on_both_backends(models):
+    from miles_core.training.fsdp import FSDPTrainer
+    from miles_core.training.megatron.trainer import MegatronTrainer
+
+    variants = {"rollout": AlgorithmConfig(old_logprob_source="rollout"),
+                "tis": AlgorithmConfig(correction={"kind": "tis", "high": 2.0}),
+                "none": AlgorithmConfig(correction={"kind": "none"}, entropy_coef=0.0)}
+    runs = {(backend, name): _step_with_shifted_rollout(cls, models["qwen3"], algorithm)
+            for backend, cls in (("fsdp", FSDPTrainer), ("megatron", MegatronTrainer))
+            for name, algorithm in variants.items()}
+    for backend in ("fsdp", "megatron"):
+        rollout, tis, none = (runs[backend, name] for name in ("rollout", "tis", "none"))
+        for m in (rollout, tis, none):  # mismatch metrics compare the trainer's own log-probs with the rollout's
+            assert m["mismatch/logprob_abs_diff"] == pytest.approx(SHIFT, abs=1e-4), backend
+        # rollout: the ratio is pi_theta / pi_rollout = e^0.3 at the first update (beyond 1 + 0.28: clipped)
+        assert rollout["train/ppo_kl"] == pytest.approx(-SHIFT, abs=1e-4), backend
+        assert rollout["train/clip_frac"] > 0
+        # trainer + TIS: ratio 1, every token weighted by clamp(e^0.3, 0, 2), i.e. not a no-op
+        assert tis["train/ppo_kl"] == pytest.approx(0.0, abs=1e-5) and tis["train/clip_frac"] == 0
+        assert tis["train/pg_loss"] == pytest.approx(none["train/pg_loss"] * torch.e ** SHIFT, rel=1e-4), backend
+        assert abs(none["train/pg_loss"]) > 1e-3
+    for name in variants:
+        for key in ("train/pg_loss", "train/ppo_kl", "train/clip_frac", "mismatch/logprob_abs_diff"):
+            assert runs["fsdp", name][key] == pytest.approx(runs["megatron", name][key], abs=1e-4), (name, key)
+
+
 # ---- TP=2: two gloo processes --------------------------------------------------------------------------
 def _tp2_rank(rank: int, world_size: int, paths: dict[str, str]) -> dict:
     import torch.distributed as dist
