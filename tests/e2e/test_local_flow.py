@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
+STEPS = 200  # configs/local.yaml
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +51,9 @@ def test_summary_contract_and_learning(finished_run):
     for key in ("run_key", "status", "eval", "steps", "resumed_from_step", "checkpoint_uri",
                 "hf_export_uri", "model_version", "timings"):
         assert key in summary, key
-    assert summary["status"] == "completed" and summary["steps"] == 120
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
     assert summary["eval"]["after"] - summary["eval"]["before"] >= 0.20, summary["eval"]
-    assert json.loads((run_dir / "config.resolved.json").read_text())["training"]["num_steps"] == 120
+    assert json.loads((run_dir / "config.resolved.json").read_text())["training"]["num_steps"] == STEPS
 
 
 def test_uploaded_export_loads_and_matches_eval(finished_run, tmp_path):
@@ -72,7 +73,7 @@ def test_checkpoint_manifest_verifies_in_store(finished_run, tmp_path):
 
     local = download_dir(summary["checkpoint_uri"], tmp_path / "ckpt")
     assert verify_checkpoint(local) is None
-    assert json.loads((local / "MANIFEST.json").read_text())["step"] == 120
+    assert json.loads((local / "MANIFEST.json").read_text())["step"] == STEPS
 
 
 def test_mlflow_has_params_metrics_and_model_version(finished_run, tmp_path):
@@ -81,12 +82,12 @@ def test_mlflow_has_params_metrics_and_model_version(finished_run, tmp_path):
     _, _, summary, _ = finished_run
     client = MlflowClient(summary["mlflow"]["tracking_uri"], registry_uri=summary["mlflow"]["tracking_uri"])
     run = client.get_run(summary["mlflow"]["run_id"])
-    assert run.data.params["training.num_steps"] == "120"
+    assert run.data.params["training.num_steps"] == str(STEPS)
     for metric in ("rollout/reward_mean", "rollout/reward_std", "rollout/tokens_per_second", "train/loss",
                    "train/pg_loss", "train/ppo_kl", "train/clip_frac", "train/grad_norm", "train/lr",
                    "train/tokens_per_second", "rollout/train_logprob_abs_diff", "time/step_seconds"):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, metric)]
-        assert steps == list(range(1, 121)), metric
+        assert steps == list(range(1, STEPS + 1)), metric
     # the resolved config as one artifact, the same (redacted) values as the params
     config = client.download_artifacts(run.info.run_id, "config/resolved.json", str(tmp_path))
     assert json.loads(Path(config).read_text()) == run.data.params

@@ -1,15 +1,16 @@
 """The rl-posttrain flow on the Megatron backend (configs/local-megatron.yaml, CPU through the
-compat layer): held-out accuracy rises, and the convert-checkpoint stage is cached.
+compat layer): it learns, and the convert-checkpoint stage is cached.
 
 One driver process runs the flow twice (one Prefect server and one Ray for both, which saves
 ~40 s over two `miles run` processes), then deletes the converted directory and runs the
-stage again, which must refresh its cache entry. Kept short: SFT warm-up 260 steps (the tiny
-task's accuracy jumps between ~200 and ~300 steps; 260 starts RL at ~0.4, where GRPO has both
-signal and room) and 40 RL steps.
+stage again, which must refresh its cache entry. Kept short: 60 RL steps of the recipe (its
+warm-up stops at probe pass@1 0.3), so the learning check is the training reward rising and
+held-out accuracy not falling; the full recipe's gain is the FSDP2 flow test's and the sweep's.
 """
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.e2e
 
 RECIPE = REPO / "configs/local-megatron.yaml"
-FAST = ["training.num_steps=40"]
+FAST = ["training.num_steps=60"]
 MARK = "=== megatron-flow-test:"
 
 
@@ -91,8 +92,10 @@ def _section(output: str, name: str) -> str:
 def test_megatron_training_raises_heldout_accuracy(runs):
     _, result, _ = runs
     first = result["first"]
-    assert first["status"] == "completed" and first["steps"] == 40
-    assert first["eval"]["after"] - first["eval"]["before"] >= 0.10, first["eval"]
+    assert first["status"] == "completed" and first["steps"] == 60
+    rewards = first["reward_curve"]
+    assert statistics.fmean(rewards[-10:]) >= statistics.fmean(rewards[:10]) + 0.05, rewards
+    assert first["eval"]["after"] >= first["eval"]["before"], first["eval"]
     resolved = json.loads((Path(first["run_dir"]) / "config.resolved.json").read_text())
     assert resolved["training"]["backend"] == "megatron"
 

@@ -60,3 +60,13 @@ def test_rollout_and_trainer_logprobs_agree(ray_local, tmp_path, warm_tiny):
     result = run_training(spec)
     assert result.history[0]["rollout/train_logprob_abs_diff"] <= 1e-4
     assert result.history[0]["train/ppo_kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_same_seed_twice_gives_the_same_numbers(ray_local, tmp_path, warm_tiny):
+    def numbers(run_dir):
+        result = run_training(spec_for(tmp_path, warm_tiny["warm"], run_dir, 3))
+        return [{k: v for k, v in h.items() if not k.endswith(("_seconds", "per_second"))}
+                for h in result.history]
+
+    first, second = numbers(tmp_path / "a"), numbers(tmp_path / "b")
+    assert first == second and len({h["rollout/reward_mean"] for h in first}) > 1
