@@ -15,8 +15,6 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 NUM_STEPS = 40
-# Held-out pass@1 is measured on 200 prompts: 6 prompts of noise.
-EVAL_NOISE = 0.03
 SHORT = [f"training.num_steps={NUM_STEPS}", "checkpoint.interval_steps=10", "checkpoint.keep_latest=3"]
 
 
@@ -31,8 +29,17 @@ def uninterrupted(work_dir) -> dict:
     run_dir = work_dir / "uninterrupted"
     finish(miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir)))
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == NUM_STEPS and summary["eval"]["after"] > summary["eval"]["before"]
+    assert summary["steps"] == NUM_STEPS and summary["resumed_from_step"] is None
+    assert len(set(summary["reward_curve"])) > 1  # a run that learns something: resumes are compared with it
     return summary
+
+
+def assert_continues_like(summary: dict, uninterrupted: dict) -> None:
+    """A resume restores weights, optimizer, data cursor, RNG and step: from the resumed step on
+    the run is the uninterrupted one, number for number."""
+    resumed = summary["resumed_from_step"]
+    assert summary["reward_curve"] == uninterrupted["reward_curve"][resumed:]
+    assert summary["eval"]["after"] == uninterrupted["eval"]["after"]
 
 
 def miles(work: Path, *args: str, overrides=SHORT) -> subprocess.Popen:
@@ -100,7 +107,7 @@ def test_trainer_killed_after_checkpoint_task_retry_resumes(work_dir, uninterrup
     assert summary["steps"] == NUM_STEPS and summary["resumed_from_step"] == last_complete
     assert "Retry 1/" in out
     assert_metrics_exactly_once(summary)
-    assert summary["eval"]["after"] >= uninterrupted["eval"]["after"] - EVAL_NOISE
+    assert_continues_like(summary, uninterrupted)
 
 
 def test_whole_process_killed_then_resume_skips_cached_stages(work_dir, uninterrupted):
@@ -123,7 +130,7 @@ def test_whole_process_killed_then_resume_skips_cached_stages(work_dir, uninterr
     for stage in ("prepare-model", "sft-warmup"):
         assert any(stage in line and "Cached" in line for line in out.splitlines()), stage
     assert_metrics_exactly_once(summary)
-    assert summary["eval"]["after"] >= uninterrupted["eval"]["after"] - EVAL_NOISE
+    assert_continues_like(summary, uninterrupted)
 
 
 def test_bad_config_fails_fast_with_one_message(work_dir, tmp_path):
