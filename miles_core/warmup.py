@@ -11,7 +11,7 @@ from typing import Callable
 
 import ray
 
-from miles_core.config import RunConfig
+from miles_core.config import AlgorithmConfig, RunConfig
 from miles_core.data import Prompt, sft_samples
 from miles_core.training.fsdp import FSDPTrainer
 
@@ -71,7 +71,8 @@ def run_sft_warmup(cfg: RunConfig, model_dir: str, prompts: list[Prompt], tokeni
     train_prompts, probe_prompts = split_probe(cfg, prompts)
     training = cfg.training.model_copy(update={"lr": w.lr, "lr_warmup_steps": 0})
     actor_cls = ray.remote(num_cpus=cfg.training.cpus_per_trainer, num_gpus=cfg.training.gpus_per_trainer)(FSDPTrainer)
-    trainer = actor_cls.remote(model_dir, training, cfg.algorithm, seed=cfg.seed)
+    # SFT needs no critic, reference or teacher, whatever the RL objective after it
+    trainer = actor_cls.remote(model_dir, training, AlgorithmConfig(name="sft"), seed=cfg.seed)
     probe = _Probe(cfg, model_dir, probe_prompts) if probe_prompts else None
     score, steps = None, 0
     try:
@@ -90,7 +91,7 @@ def run_sft_warmup(cfg: RunConfig, model_dir: str, prompts: list[Prompt], tokeni
         ray.get(trainer.export_hf.remote(str(out_dir)))
     finally:
         ray.kill(trainer)
-    reached = None if probe is None else score >= w.target_pass_at_1
+    reached = None if probe is None or score is None else score >= w.target_pass_at_1
     if reached is False:
         log.warning("SFT warm-up ended at its step limit (%d) with probe pass@1 %.3f, below warmup.target_pass_at_1="
                     "%.3f: RL starts weaker than the recipe intends (raise warmup.sft_steps or warmup.lr)",

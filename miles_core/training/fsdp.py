@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from miles_core import algorithms as algo
 from miles_core import objectives
@@ -138,8 +138,12 @@ class FSDPTrainer:
         self.optimizer, self.scheduler = self._optimizer(self.model, training.lr)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         if algorithm.uses_critic:
-            self.critic = _shard(AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1,
-                                                                                  dtype=torch.float32)).train()
+            # classifier_dropout: transformers' token-classification head adds dropout 0.1 by default,
+            # which would make old values (and the value clip around them) random
+            config = AutoConfig.from_pretrained(model_dir, num_labels=1)
+            config.classifier_dropout = 0.0
+            self.critic = _shard(AutoModelForTokenClassification.from_pretrained(
+                model_dir, config=config, dtype=torch.float32)).train()
             self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic, algorithm.critic_lr)
         self.reference = self._frozen(model_dir) if objectives.needs_reference(algorithm) else None
         self.teacher = self._frozen(teacher_dir) if algorithm.effective_opd_coef > 0 else None

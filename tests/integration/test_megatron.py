@@ -189,8 +189,10 @@ def test_trainer_learns_and_saves_at_tp1(models):
         samples = _samples()
         losses = [trainer.sft_step(samples) for _ in range(4)]
         assert losses[-1] < losses[0] - 0.3, losses
+        before_rl = trainer.weights_sha256()
         metrics = trainer.train_step(samples)
-        assert all(v == v for v in metrics.values()) and "train/entropy" in metrics and "train/grad_norm" in metrics
+        assert all(v == v for v in metrics.values()) and "train/entropy" in metrics
+        assert metrics["train/grad_norm"] > 0 and trainer.weights_sha256() != before_rl  # the RL step updated
         ckpt = models["root"] / "tp1_state"
         trainer.save_state(ckpt, {"step": 5})
         fixed = _samples(seed=7)
@@ -207,9 +209,11 @@ def test_trainer_ppo_critic_trains_and_checkpoints(models, tmp_path):
     algorithm = AlgorithmConfig(name="ppo", kl_in_reward_coef=0.01)
     trainer = MegatronTrainer(str(models["qwen3"]), TrainingConfig(**TRAINING), algorithm, group_size=2)
     try:
+        initial_head = trainer.value_head.score.weight.detach().clone()
         metrics = [trainer.train_step(_samples()) for _ in range(2)]
         assert all("train/value_loss" in m and m["train/value_loss"] == m["train/value_loss"] for m in metrics)
         head = trainer.value_head.score.weight.detach().clone()
+        assert not torch.equal(head, initial_head)  # the critic trained
         trainer.save_state(tmp_path, {"k": 1})
         trainer.value_head.score.weight.data.zero_()
         assert trainer.load_state(tmp_path) == {"k": 1}

@@ -20,5 +20,9 @@ def test_ppo_critic_state_round_trips(tmp_path, tiny_model_dir):
         assert torch.equal(a.full_tensor() if hasattr(a, "full_tensor") else a,
                            b.full_tensor() if hasattr(b, "full_tensor") else b)
     assert restored.weights_sha256() == trainer.weights_sha256()
+    # optimizers and schedulers came back too: one more identical step stays identical
+    trainer.train_step(samples)
+    restored.train_step(samples)
+    assert restored.weights_sha256() == trainer.weights_sha256()
     trainer.close()
     restored.close()
