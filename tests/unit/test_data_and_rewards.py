@@ -58,8 +58,9 @@ def test_builtin_task_is_disjoint_and_correct(tmp_path):
     eval_rows = [json.loads(line) for line in held_out.read_text().splitlines()]
     assert len(rows) == 300 and len(eval_rows) == 50
     assert not {r["prompt"][0]["content"] for r in rows} & {r["prompt"][0]["content"] for r in eval_rows}
-    a, b = rows[0]["prompt"][0]["content"].rstrip("=").split("+")
-    assert int(rows[0]["label"]) == int(a) + int(b)
+    for row in rows + eval_rows:
+        a, b = row["prompt"][0]["content"].rstrip("=").split("+")
+        assert int(row["label"]) == int(a) + int(b) and 0 <= int(a) <= 30 and 0 <= int(b) <= 30
     with pytest.raises(ValueError, match="lower num_train"):
         write_arithmetic_task(ArithmeticTaskConfig(num_train=100, num_eval=1, max_operand=5), tmp_path)
 
