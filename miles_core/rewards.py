@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from typing import Callable
@@ -53,13 +54,20 @@ MATH_TAIL_CHARS = 2000
 """Only the end of a response is parsed: final answers sit there, and parsing cost grows with length."""
 
 
+# math-verify's timeouts are SIGALRM-based and refuse to run outside the main thread, where
+# rollouts are scored (async loops score in a producer thread): they are turned off.
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(label: str) -> tuple:
+    """The parsed label, once per label (a group's n samples share it)."""
+    from math_verify import parse
+
+    return tuple(parse(label if ("$" in label or "\\boxed" in label) else f"${label}$", parsing_timeout=None))
+
+
 def _verify(label: str, answer_text: str) -> bool:
-    # math-verify's timeouts are SIGALRM-based and refuse to run outside the main thread, where
-    # rollouts are scored (async loops score in a producer thread): they are turned off.
     from math_verify import parse, verify
 
-    gold_text = label if ("$" in label or "\\boxed" in label) else f"${label}$"
-    gold = parse(gold_text, parsing_timeout=None)
+    gold = list(_parse_gold(label))
     answer = parse(answer_text[-MATH_TAIL_CHARS:], parsing_timeout=None)
     return bool(gold) and bool(answer) and verify(gold, answer, timeout_seconds=None)
 

@@ -23,7 +23,7 @@ from miles_core.config import RunConfig
 from miles_core.models import materialize_model, model_identity
 from tasks.retry import retry_infrastructure_only
 
-ARTIFACT_VERSION = "v2"
+ARTIFACT_VERSION = "v1"
 RESULTS_PREFIX = "prefect-results"
 
 
