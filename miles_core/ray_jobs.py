@@ -21,17 +21,18 @@ from typing import Callable
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from miles_core.driver import DriverJob
+from miles_core.errors import InfrastructureError
 
 log = logging.getLogger(__name__)
 PREFIX = "miles-"
 LOG_POLL_SECONDS = 10.0
 
 
-class DriverStalled(TimeoutError):
+class DriverStalled(InfrastructureError):
     """The driver job reported no step within the stall limit; it was stopped (retryable)."""
 
 
-class DriverJobLost(ConnectionError):
+class DriverJobLost(InfrastructureError):
     """The driver job ended without a result or error of its own (killed, OOM, node lost,
     stopped by someone else): an infrastructure failure, so the task retries."""
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import fsspec
 
 from miles_core.checkpoint import sha256_file
+from miles_core.errors import InfrastructureError
 
 # botocore's own per-request retries (5xx, throttling, connection errors, timeouts) stay on
 # but few: callers retry whole files with backoff, and with more inner attempts a hung
@@ -17,7 +18,7 @@ from miles_core.checkpoint import sha256_file
 S3_REQUEST_ATTEMPTS = 2
 
 
-class UploadVerificationError(IOError):
+class UploadVerificationError(InfrastructureError, IOError):
     """The stored object differs from the local file (size or sha256)."""
 
 

@@ -27,6 +27,7 @@ from typing import Callable, TypeVar
 from miles_core import checkpoint as ckpt
 from miles_core import storage
 from miles_core.config import CheckpointConfig
+from miles_core.errors import InfrastructureError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,7 +46,7 @@ class UploadFailed(IOError):
     """A checkpoint could not be uploaded or restored; the message says which and why."""
 
 
-class StoreUnavailable(UploadFailed, ConnectionError):
+class StoreUnavailable(UploadFailed, InfrastructureError):
     """The store kept failing (errors, timeouts) through every attempt; a later retry may succeed."""
 
 

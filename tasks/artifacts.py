@@ -21,7 +21,7 @@ from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 from miles_core import storage
 from miles_core.config import RunConfig
 from miles_core.models import materialize_model, model_identity
-from tasks.retry import retry_infrastructure_only
+from tasks.retry import retry_if_retryable
 
 ARTIFACT_VERSION = "v1"
 RESULTS_PREFIX = "prefect-results"
@@ -64,7 +64,7 @@ def _model_key(context, params) -> str:
 
 
 @task(name="prepare-model", cache_key_fn=_model_key, persist_result=True, result_serializer="json",
-      retries=2, retry_delay_seconds=[5, 30], retry_jitter_factor=0.5, retry_condition_fn=retry_infrastructure_only)
+      retries=2, retry_delay_seconds=[5, 30], retry_jitter_factor=0.5, retry_condition_fn=retry_if_retryable)
 def _prepare_model(config: dict) -> dict:
     """Build, download or locate the starting model; returns {model_dir, identity}."""
     cfg = RunConfig.model_validate(config)

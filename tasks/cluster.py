@@ -7,11 +7,11 @@ import os
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.retry import retry_infrastructure_only
+from tasks.retry import retry_if_retryable
 
 
 @task(name="ensure-ray", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20],
-      retry_condition_fn=retry_infrastructure_only)
+      retry_condition_fn=retry_if_retryable)
 def ensure_ray(address: str | None, num_cpus: int | None, work_dir: str) -> dict:
     """Join the Ray cluster at `address`, or start a local one; returns its resources."""
     import ray

@@ -11,11 +11,11 @@ from prefect.cache_policies import NO_CACHE
 from miles_core import checkpoint as ckpt
 from miles_core import storage, tracking, uploads
 from miles_core.config import CheckpointConfig
-from tasks.retry import retry_infrastructure_only
+from tasks.retry import retry_if_retryable
 
 
 @task(name="upload-artifacts", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[5, 15, 45],
-      retry_jitter_factor=0.5, retry_condition_fn=retry_infrastructure_only)
+      retry_jitter_factor=0.5, retry_condition_fn=retry_if_retryable)
 def upload_artifacts(store_uri: str, run_key: str, checkpoint_dir: str, hf_export_dir: str,
                      checkpoint_config: dict | None = None) -> dict:
     """Make sure the final checkpoint is in the store (the train task normally uploaded it
@@ -39,7 +39,7 @@ def upload_artifacts(store_uri: str, run_key: str, checkpoint_dir: str, hf_expor
 
 
 @task(name="register-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20],
-      retry_condition_fn=retry_infrastructure_only)
+      retry_condition_fn=retry_if_retryable)
 def register_model(mlflow_uri: str, mlflow_run_id: str, name: str, hf_export_dir: str, tags: dict) -> str:
     version = tracking.register_model(mlflow_uri, mlflow_run_id, name, hf_export_dir, tags)
     get_run_logger().info("registered %s version %s (alias candidate)", name, version)

@@ -14,11 +14,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from miles_core import ray_jobs
 from miles_core.config import PlacementConfig
 from miles_core.driver import DriverJob, run_driver, step_summary
-from tasks.retry import names_infrastructure_error, retry_infrastructure_only
+from miles_core.errors import is_retryable_class
+from tasks.retry import retry_if_retryable
 
 
 @task(name="train", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[10, 60],
-      retry_jitter_factor=0.5, retry_condition_fn=retry_infrastructure_only)
+      retry_jitter_factor=0.5, retry_condition_fn=retry_if_retryable)
 def train(spec: dict, mlflow_uri: str, mlflow_run_id: str) -> dict:
     """RL training from spec; metrics go to the MLflow run as each step becomes durable, and
     each checkpoint is uploaded to spec["store_uri"] in the background (by the driver)."""
@@ -57,7 +58,7 @@ def _train_as_ray_job(job: DriverJob, placement: PlacementConfig) -> dict:
         client.stop_job(sid)
         raise
     # The driver logged its resume step and upload statistics itself (in the streamed job log).
-    return ray_jobs.outcome(sid, status, files, names_infrastructure_error)
+    return ray_jobs.outcome(sid, status, files, is_retryable_class)
 
 
 def jobs_client(placement: PlacementConfig) -> ray_jobs.TimeoutJobClient:

@@ -22,6 +22,8 @@ from typing import Any
 
 import requests
 
+from miles_core.errors import InfrastructureError
+
 logger = logging.getLogger(__name__)
 
 # Server args the launcher forwards. True marks a boolean flag (`--name`, no value); anything
@@ -42,7 +44,7 @@ KNOWN_SERVER_ARGS: dict[str, bool] = {
 RETRY_STATUSES = {500, 502, 503, 504}
 
 
-class EngineError(RuntimeError):
+class EngineError(InfrastructureError):
     """A failed call to a rollout engine. `status` is None when no HTTP answer came back
     (connection refused, timeout): the case a router treats as a dead engine."""
 

@@ -12,7 +12,7 @@ from ray.job_submission import JobStatus
 
 from miles_core import ray_jobs
 from miles_core.driver import DriverJob
-from tasks.retry import is_infrastructure_error, names_infrastructure_error
+from miles_core.errors import is_retryable, is_retryable_class
 
 
 class FakeJobs:
@@ -88,7 +88,7 @@ def test_a_job_without_step_progress_is_stopped_as_stalled(tmp_path):
     with pytest.raises(ray_jobs.DriverStalled, match="no step progress") as raised:
         ray_jobs.watch(client, "miles-key-1", files, 0.2, 0.01, lambda s: None, lambda s: None)
     assert client.stopped == ["miles-key-1"]
-    assert is_infrastructure_error(raised.value)  # the task retries it: resubmit, resume
+    assert is_retryable(raised.value)  # the task retries it: resubmit, resume
 
 
 @pytest.mark.parametrize("status, record, expected, retried", [
@@ -105,14 +105,14 @@ def test_job_endings_are_classified_for_retries(tmp_path, status, record, expect
     if record is not None:
         files.result.write_text(json.dumps(record))
     with pytest.raises(expected) as raised:
-        ray_jobs.outcome("miles-key-1", status, files, names_infrastructure_error)
-    assert is_infrastructure_error(raised.value) is retried
+        ray_jobs.outcome("miles-key-1", status, files, is_retryable_class)
+    assert is_retryable(raised.value) is retried
 
 
 def test_success_returns_the_drivers_result(tmp_path):
     files = ray_jobs.JobFiles.of(tmp_path, "miles-key-1")
     files.result.write_text(json.dumps({"steps": 8}))
-    assert ray_jobs.outcome("miles-key-1", JobStatus.SUCCEEDED, files, names_infrastructure_error) == {"steps": 8}
+    assert ray_jobs.outcome("miles-key-1", JobStatus.SUCCEEDED, files, is_retryable_class) == {"steps": 8}
 
 
 def test_cancellation_stops_only_the_runs_live_jobs():
