@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/local.yaml
 
-.PHONY: install run test test-unit test-e2e plan clean
+.PHONY: install run lint test test-unit test-e2e plan clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ run: install
 
 plan: install
 	$(BIN)/miles plan $(CONFIG)
+
+lint: install
+	$(BIN)/ruff check .
 
 test: install
 	$(BIN)/pytest tests --ignore=tests/gpu --basetemp=.pytest-tmp --durations=25

@@ -13,8 +13,9 @@ import statistics
 import sys
 import time
 import types
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_RECIPE = REPO / "configs" / "local.yaml"
@@ -140,18 +141,12 @@ def trainer_device(device: str):
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        port = _free_port()
+        from miles_core.net import free_port
+
+        port = free_port()
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                                 device_id=torch.device("cuda", 0))
     return torch.device(device)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def sft_warmup(model_dir: Path, train_path: Path, steps: int, work_dir: Path, device: str) -> Path:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
+import _common as c
 
 LOOPS = {"sync": ["rollout.loop=sync"],
          "one_step_off": ["rollout.loop=one_step_off", "algorithm.correction.kind=tis"]}
@@ -53,10 +53,11 @@ def run_config(args, steps: int, overrides: list[str]):
 
 
 def run_once(args, name: str, steps: int, overrides: list[str], model_dir: Path, train: Path, work: Path):
-    from miles_core.train import TrainSpec, run_training
+    from miles_core.driver import TrainSpec, run_training
 
     cfg = run_config(args, steps, overrides)
-    spec = TrainSpec(cfg.model_dump(mode="json"), str(model_dir), str(train), str(work / f"run-{time.time_ns()}"))
+    spec = TrainSpec(config=cfg, model_dir=str(model_dir), train_path=str(train),
+                     run_dir=str(work / f"run-{time.time_ns()}"))
     started = time.perf_counter()
     history = run_training(spec, on_metrics=lambda step, m: c.log(
         f"{name} step {step}: {m['time/step_seconds']:.3f} s (rollout {m['time/rollout_seconds']:.3f}, "

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from miles_core.rollout.engine import EmbeddedEngine  # noqa: E402
-from miles_core.tiny import build_tokenizer  # noqa: E402
+from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.tiny import build_tokenizer
 
 SHAPES = {
     "tiny": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -77,7 +77,8 @@ def main() -> None:
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(args.model, Path(tmp) / "model", dtype)
-        engine = EmbeddedEngine(str(model_dir), dtype=str(dtype).removeprefix("torch."), max_batch_size=args.engine_batch)
+        engine = EmbeddedEngine(str(model_dir), dtype=str(dtype).removeprefix("torch."),
+                                max_batch_size=args.engine_batch)
         work = prompts(args.num_seqs, args.prompt_len, SHAPES[args.model]["vocab_size"])
         params = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
         print("warm-up (compilation)...", file=sys.stderr)

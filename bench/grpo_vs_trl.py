@@ -7,7 +7,7 @@ Modes for "ours":
              + FSDPTrainer.train_step + weight copy into the engine, all in this process.
              Its steps are interleaved one-to-one with TRL's (ours runs between TRL steps,
              outside TRL's timed window), so both see the same machine load. Works without Ray.
-  ray        miles_core.train.run_training on a local Ray (trainer and engine actors, sync
+  ray        miles_core.driver.run_training on a local Ray (trainer and engine actors, sync
              loop, object-store weight sync); ours and TRL alternate run by run (--repeats).
 
 TRL: GRPOTrainer(use_vllm=False) with one generation of P*G completions per optimizer step
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as c  # noqa: E402
+import _common as c
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -125,12 +125,12 @@ class OursInProcess:
 def run_ours_ray(args, model_dir: Path, train_path: Path, run_dir: Path) -> list[dict]:
     import ray
 
-    from miles_core.train import TrainSpec, run_training
+    from miles_core.driver import TrainSpec, run_training
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     cfg = ours_config(args, args.skip + args.steps)
-    spec = TrainSpec(cfg.model_dump(mode="json"), str(model_dir), str(train_path), str(run_dir))
+    spec = TrainSpec(config=cfg, model_dir=str(model_dir), train_path=str(train_path), run_dir=str(run_dir))
     history = run_training(spec, on_metrics=lambda step, m: c.log(
         f"ours(ray) step {step}: {m['time/step_seconds']:.3f} s")).history
     return [{"step": h["time/step_seconds"], "rollout": h["time/rollout_seconds"],
@@ -220,8 +220,8 @@ def run_trl(args, cfg, model_dir: Path, train_path: Path, out_dir: Path, between
     trainer_cls.rollout_times = []
     trainer = trainer_cls(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                           reward_funcs=exact_match_reward, args=trl_config(args, cfg, args.skip + args.steps, out_dir),
-                          train_dataset=trl_dataset(train_path), processing_class=AutoTokenizer.from_pretrained(model_dir),
-                          callbacks=[timer])
+                          train_dataset=trl_dataset(train_path),
+                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[timer])
     trainer.train()
     step_logs = [entry for entry in timer.logs if "reward" in entry]
     return [{"step": s, "rollout": r, "train": s - r, "reward": log.get("reward"),
@@ -290,7 +290,8 @@ def main(argv=None) -> dict:
         "max_new_tokens": args.max_new_tokens, "lr": args.lr, "model": args.model, "device": args.device,
         "mode": args.mode, "start_model": "random" if args.sft_steps == 0 else f"sft_warmup_{args.sft_steps}_steps",
         "threads": args.threads, "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
-        "ours_measured": OURS_MODES[args.mode], "ours": o, "trl": t, "load_average_before": load_before, "load_average_after": c.load_average(),
+        "ours_measured": OURS_MODES[args.mode], "ours": o, "trl": t,
+        "load_average_before": load_before, "load_average_after": c.load_average(),
         "wall_seconds": time.perf_counter() - started,
     }
     print(json.dumps(c.rounded(result)), flush=True)

@@ -7,7 +7,7 @@ FSDP2 / HF+SDPA path, same random Qwen3-0.6B-shaped model, same GPU, same run.
 
 One step = forward + token log-probs of every next token (the trainers' loss path: Megatron
 through forward_logits + next_token_logprobs, HF through fsdp.causal_lm_logprobs, both the
-fused vocab-parallel log-prob of miles_core/training/megatron/logprobs.py, torch.compile'd on
+fused vocab-parallel log-prob of miles_core/training/logprobs.py, torch.compile'd on
 CUDA, over bf16 logits) + backward + grad clip + AdamW. Parameters and optimizer state are bf16
 on both sides. Decoder layers are torch.compile'd on both sides unless --no-compile (what
 MILES_TORCH_COMPILE=1 turns on in the trainers). As in the trainers, the first batch size
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, log, rounded, setup_env, stub_ray_if_missing  # noqa: E402
+from _common import QWEN3_06B_SHAPE, log, rounded, setup_env, stub_ray_if_missing
 
 PEAK_FLOPS = 989e12
 
@@ -103,7 +103,8 @@ def set_hf_compiled(model, on: bool) -> None:
 
 # ---- steps ------------------------------------------------------------------------------------
 def megatron_step(model, optimizer, tokens, vocab_size: int):
-    from miles_core.training.megatron.logprobs import clip_grad_norm, next_token_logprobs
+    from miles_core.training.logprobs import next_token_logprobs
+    from miles_core.training.megatron.grad_norm import clip_grad_norm
     from miles_core.training.megatron.model import forward_logits
 
     logp, _ = next_token_logprobs(forward_logits(model, tokens), tokens, 1.0, vocab_size)
@@ -252,7 +253,7 @@ def sdpa_probe(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int) -
     flops = 3 * 2 * batch * heads * seq * seq * head_dim  # fwd 2*b*h*s^2*d (causal half), bwd 2x
     rows = []
     for layout in ("megatron_view", "bhsd"):
-        def make(h):
+        def make(h, layout=layout):
             if layout == "megatron_view":
                 return torch.randn(seq, batch, h, head_dim, device="cuda", dtype=torch.bfloat16).permute(1, 2, 0, 3)
             return torch.randn(batch, h, seq, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -262,7 +263,7 @@ def sdpa_probe(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int) -
         for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
             try:
                 with sdpa_kernel([getattr(SDPBackend, backend)]):
-                    def run():
+                    def run(q=q, k=k, v=v):
                         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                         o.backward(torch.ones_like(o))
                     for _ in range(3):

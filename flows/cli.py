@@ -6,7 +6,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 import yaml
@@ -22,9 +21,8 @@ console = Console()
 
 
 def _register_stack() -> None:
-    from infra.stack_cli import stack_app
-
     from infra.k8s import k8s_app
+    from infra.stack_cli import stack_app
 
     app.add_typer(stack_app, name="stack", help="Local service stack: Prefect server + worker, MLflow, S3, Ray head.")
     app.add_typer(k8s_app, name="k8s", help="Render Kubernetes manifests (Prefect work pool, KubeRay RayJob).")
@@ -80,13 +78,13 @@ def layout_rows(cfg: RunConfig) -> list[tuple[str, str]]:
         ("ray", ray_target),
         ("trainer", f"{cfg.training.world_size} x {cfg.training.backend} rank actor(s), in all "
                     f"{cfg.training.cpus_per_trainer:g} CPU{gpu(cfg.training.gpus_per_trainer)}"),
-        ("rollout", f"{cfg.rollout.num_engines} x {cfg.rollout.engine} engine: {cfg.rollout.cpus_per_engine:g} CPU"
+        ("rollout", f"{cfg.rollout.num_engines} x {cfg.rollout.engine.kind} engine: {cfg.rollout.cpus_per_engine:g} CPU"
                     f"{gpu(cfg.rollout.gpus_per_engine)} each"),
         ("batch", f"{cfg.rollout.num_prompts_per_step} prompts x {cfg.rollout.num_samples_per_prompt} samples, "
                   f"<= {cfg.rollout.max_new_tokens} new tokens"),
         ("steps", f"{_warmup_steps(cfg)} SFT warm-up, {cfg.training.num_steps} {cfg.algorithm.name} steps, "
                   f"checkpoint every {cfg.checkpoint.interval_steps}"),
-        ("loop", f"{cfg.rollout.loop}, weights by {cfg.rollout.weight_transport}"),
+        ("loop", f"{cfg.rollout.loop.kind}, weights by {cfg.rollout.weight_transport.kind}"),
         ("placement", f"{cfg.placement.layout}: {strategy(cfg)} placement group"),
         *describe(cfg),
     ]
@@ -129,8 +127,8 @@ def plan(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/loca
 @app.command()
 def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local.yaml"),
         set_: list[str] = typer.Option([], "--set", help="dotted.key=value override (repeatable)"),
-        run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="local run directory (default <work_dir>/runs/<run_key>)"),
-        resume: Optional[str] = typer.Option(None, "--resume", help="run key to resume from its latest checkpoint")) -> None:
+        run_dir: Path | None = typer.Option(None, "--run-dir", help="local run directory (default <work_dir>/runs/<run_key>)"),
+        resume: str | None = typer.Option(None, "--resume", help="run key to resume from its latest checkpoint")) -> None:
     """Run the rl-posttrain flow in this process (ephemeral Prefect, local Ray unless configured)."""
     cfg = _load(config, set_)
     local_environment(cfg.storage.work_dir)

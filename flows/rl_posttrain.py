@@ -13,7 +13,9 @@ from prefect.runtime import deployment, flow_run
 
 from miles_core import checkpoint as ckpt
 from miles_core import ray_jobs, reports, tracking
+from miles_core.artifacts import ModelArtifact
 from miles_core.config import RunConfig, load_config
+from miles_core.driver import TrainSpec
 from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, prepare_teacher, sft_warmup
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate
@@ -48,16 +50,16 @@ def _promote(cfg: RunConfig, uri: str, version: str) -> dict:
         return {"promoted": False, "reason": "rolled back", "error": str(exc), "version": version}
 
 
-def _student_and_teacher(cfg: RunConfig, config: dict, base: dict, warmed: dict) -> tuple[dict, dict | None]:
+def _student_and_teacher(cfg: RunConfig, base: ModelArtifact, warmed: ModelArtifact
+                         ) -> tuple[ModelArtifact, ModelArtifact | None]:
     """The model RL starts from, and the distillation teacher (None without distillation).
     teacher_source `warmup` distils the warm-up's result into the untouched starting model;
     any other teacher_source is prepared (downloaded, cached) like model.source."""
-    source = cfg.algorithm.teacher_source
     if cfg.algorithm.effective_opd_coef == 0:
         return warmed, None
-    if source == "warmup":
+    if cfg.algorithm.teacher_source == "warmup":
         return base, warmed
-    return warmed, prepare_teacher(config=config)
+    return warmed, prepare_teacher(cfg)
 
 
 def _run_key(resume_from: str | None, flow_run_id) -> str:
@@ -96,54 +98,53 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
                  resume_from: str | None = None, run_dir: str | None = None) -> dict:
     """RL post-training of one recipe, durable stage by stage; returns the run summary."""
     cfg = load_config(config_path, overrides or [])
-    config = cfg.model_dump(mode="json")
     run_key = _run_key(resume_from, flow_run.id)
     run_path = Path(run_dir).resolve() if run_dir else cfg.storage.work_path / "runs" / run_key
     run_path.mkdir(parents=True, exist_ok=True)
-    (run_path / "config.resolved.json").write_text(json.dumps(config, indent=1))
+    (run_path / "config.resolved.json").write_text(cfg.model_dump_json(indent=1))
     (run_path / "RUN_KEY").write_text(run_key)
     uri, mlflow_run = tracking.start_or_attach_run(cfg, run_key, {
         "miles.flow_run_id": str(flow_run.id), "miles.deployment": str(deployment.name or "none"),
         "miles.git_commit": ckpt.git_commit() or "unknown"})
     timer = StageTimer()
     with timer("prepare_model"):
-        model = prepare_model(config=config)
+        model = prepare_model(cfg)
     with timer("prepare_data"):
-        data = prepare_data(config=config)
+        data = prepare_data(cfg)
     with timer("ensure_ray"):
         ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir)
     with timer("sft_warmup"):
-        warmed = sft_warmup(config=config, model=model, data=data)
+        warmed = sft_warmup(cfg, model, data)
     with timer("prepare_teacher"):
-        policy, teacher = _student_and_teacher(cfg, config, model, warmed)
+        policy, teacher = _student_and_teacher(cfg, model, warmed)
     with timer("convert"):
-        converted = convert_checkpoint(config=config, model=policy)
+        converted = convert_checkpoint(cfg, policy)
     with timer("eval_before"):
-        before = evaluate(config, policy["model_dir"], data["eval_path"], "before")
+        before = evaluate(cfg, policy.model_dir, data.eval_path, "before")
     tracking.log_eval(uri, mlflow_run, "before", before["heldout"], step=0)
     reports.log_eval_metrics(uri, mlflow_run, "before", before, step=0)
-    spec = {"config": config, "model_dir": converted["model_dir"], "megatron_dir": converted["megatron_dir"],
-            "teacher_dir": teacher and teacher["model_dir"],
-            "train_path": data["train_path"], "run_dir": str(run_path), "eval_path": data["eval_path"],
-            "store_uri": cfg.storage.store_uri(), "run_key": run_key}
+    spec = TrainSpec(config=cfg, model_dir=converted.model_dir, megatron_dir=converted.megatron_dir,
+                     teacher_dir=teacher and teacher.model_dir, train_path=data.train_path, eval_path=data.eval_path,
+                     run_dir=str(run_path), store_uri=cfg.storage.store_uri(), run_key=run_key,
+                     mlflow_uri=uri, mlflow_run_id=mlflow_run)
     with timer("train"):
-        result = train(spec, uri, mlflow_run)
+        result = train(spec)
     with timer("upload"):
-        uploaded = upload_artifacts(cfg.storage.store_uri(), run_key, result["final_checkpoint_dir"], result["hf_export_dir"],
-                                    config["checkpoint"])
+        uploaded = upload_artifacts(cfg.storage.store_uri(), run_key, result.final_checkpoint_dir,
+                                    result.hf_export_dir, cfg.checkpoint)
     with timer("eval_after"):
-        after = evaluate(config, result["hf_export_dir"], data["eval_path"], "after")
-    tracking.log_eval(uri, mlflow_run, "after", after["heldout"], step=result["steps"])
-    reports.log_eval_metrics(uri, mlflow_run, "after", after, step=result["steps"])
-    reward_curve = [round(h["rollout/reward_mean"], 4) for h in result["history"]]
-    periodic = reports.periodic_points(result.get("periodic_eval", []))
-    reports.log_report(uri, mlflow_run, before, after, reward_curve, periodic, final_step=result["steps"])
+        after = evaluate(cfg, result.hf_export_dir, data.eval_path, "after")
+    tracking.log_eval(uri, mlflow_run, "after", after["heldout"], step=result.steps)
+    reports.log_eval_metrics(uri, mlflow_run, "after", after, step=result.steps)
+    reward_curve = [round(h["rollout/reward_mean"], 4) for h in result.history]
+    periodic = reports.periodic_points(result.periodic_eval)
+    reports.log_report(uri, mlflow_run, before, after, reward_curve, periodic, final_step=result.steps)
     with timer("register"):
-        version = register_model(uri, mlflow_run, cfg.tracking.registered_model_name, result["hf_export_dir"],
-                                 {"run_key": run_key, "checkpoint_uri": uploaded["checkpoint_uri"],
+        version = register_model(uri, mlflow_run, cfg.tracking.registered_model_name, result.hf_export_dir,
+                                 {"run_key": run_key, "checkpoint_uri": uploaded.checkpoint_uri,
                                   "eval_pass_at_1": str(after["heldout"]["pass@1"]),
                                   "eval_report_uri": tracking.artifact_uri(uri, mlflow_run, reports.REPORT_ARTIFACT),
-                                  "train_data": data["train_path"], "eval_data": data["eval_path"]})
+                                  "train_data": data.train_path, "eval_data": data.eval_path})
     with timer("promote"):
         promotion = _promote(cfg, uri, str(version))
     summary = {
@@ -151,13 +152,12 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
         "eval": {"before": before["heldout"]["pass@1"], "after": after["heldout"]["pass@1"],
                  "num_prompts": after["heldout"].get("num_prompts")},
         "eval_details": {"before": reports.summary_metrics(before), "after": reports.summary_metrics(after)},
-        "warmup": {"sft_steps": warmed.get("sft_steps", 0), "probe_pass_at_1": warmed.get("probe_pass_at_1"),
-                   "reached_target": warmed.get("reached_target")},
-        "teacher_dir": teacher and teacher["model_dir"],
+        "warmup": warmed.model_dump(include={"sft_steps", "probe_pass_at_1", "reached_target"}),
+        "teacher_dir": teacher and teacher.model_dir,
         "promotion": promotion,
-        "steps": result["steps"], "resumed_from_step": result["resumed_from_step"],
-        "checkpoint_uri": uploaded["checkpoint_uri"], "hf_export_uri": uploaded["hf_export_uri"],
-        "hf_export_dir": result["hf_export_dir"], "model_version": version, "data": data,
+        "steps": result.steps, "resumed_from_step": result.resumed_from_step,
+        "checkpoint_uri": uploaded.checkpoint_uri, "hf_export_uri": uploaded.hf_export_uri,
+        "hf_export_dir": result.hf_export_dir, "model_version": version, "data": data.model_dump(),
         "mlflow": {"tracking_uri": uri, "run_id": mlflow_run, "model_name": cfg.tracking.registered_model_name},
         "reward_curve": reward_curve, "periodic_eval": periodic,
         "timings": timer.seconds,

@@ -34,6 +34,8 @@ import psutil
 import requests
 from rich.console import Console
 
+from miles_core.net import free_ports
+
 DEFAULT_STATE_DIR = Path(".miles/stack")
 ALL_SERVICES = ("s3", "prefect", "mlflow", "ray", "worker")  # launch order
 NEEDS = {"worker": ("prefect",), "mlflow": ("s3",)}
@@ -207,14 +209,7 @@ def _pick_ports(n: int, previous: list[int] | None) -> list[int]:
     # Keep a restarted service on its old ports when we can, so running clients reconnect.
     if previous and len(previous) == n and all(_port_free(p) for p in previous):
         return previous
-    socks = [socket.socket() for _ in range(n)]  # held open together: n distinct ports
-    try:
-        for s in socks:
-            s.bind((LOOPBACK, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return free_ports(n, LOOPBACK)
 
 
 def _ray_temp_dir(sd: Path) -> Path:

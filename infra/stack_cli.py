@@ -8,8 +8,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from infra.stack import (ALL_SERVICES, DEFAULT_STATE_DIR, HEARTBEAT_SECONDS, StackError, console, mask_env,
-                         read_env_file, stack_status, start_stack, stop_stack)
+from infra.stack import (
+    ALL_SERVICES,
+    DEFAULT_STATE_DIR,
+    HEARTBEAT_SECONDS,
+    StackError,
+    console,
+    mask_env,
+    read_env_file,
+    stack_status,
+    start_stack,
+    stop_stack,
+)
 
 
 def status_table(state_dir=DEFAULT_STATE_DIR) -> Table:
@@ -37,7 +47,7 @@ def up(state_dir: Path = StateOpt,
         info = start_stack(state_dir, services, ray_num_cpus=ray_num_cpus or None, timeout=timeout)
     except StackError as e:
         console.print(f"[red]{e}\n[/]Stop what did start with `miles stack down`.")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     Console().print(status_table(state_dir))
     for name, note in info.notes.items():
         console.print(f"[yellow]{name}: {note}")
@@ -51,11 +61,12 @@ def down(state_dir: Path = StateOpt):
         stop_stack(state_dir)
     except StackError as e:
         console.print(f"[red]{e}")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
 
 
 @stack_app.command()
-def automations(api_url: str = typer.Option(None, envvar="PREFECT_API_URL", help="Prefect API (default: $PREFECT_API_URL).")):
+def automations(api_url: str = typer.Option(None, envvar="PREFECT_API_URL",
+                                            help="Prefect API (default: $PREFECT_API_URL).")):
     """Apply the crashed-run automations (heartbeat loss -> Crashed -> resume_from run) to a server."""
     if not api_url:
         console.print("[red]no Prefect API: pass --api-url or set PREFECT_API_URL")

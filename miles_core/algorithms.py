@@ -1,4 +1,4 @@
-"""RL objectives as pure torch functions (see shared/rl-formulas.md).
+"""RL objectives as pure torch functions; each docstring states the formula it computes.
 
 Shapes: rewards [B]; token tensors [B, T] with a float loss mask m (1 on generated tokens).
 """
@@ -243,19 +243,13 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                clip: float | None) -> torch.Tensor:
     """Clipped value loss, masked token mean of max((clip(V, V_old-c, V_old+c) - R)^2, (V - R)^2).
 
-    No 0.5 factor (as in shared/rl-formulas.md); clip=None gives the plain squared error.
+    No 0.5 factor; clip=None gives the plain squared error.
     """
     loss = (values - returns) ** 2
     if clip is not None:
         clipped = values.clamp(old_values - clip, old_values + clip)
         loss = torch.maximum(loss, (clipped - returns) ** 2)
     return (loss * mask).sum() / mask.sum().clamp(min=1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-token entropy H = -sum_v p_v log p_v of the softmax over the last axis."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
 
 
 def _log_ratio(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

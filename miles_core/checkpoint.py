@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 import os
+import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import miles_core
 

@@ -1,9 +1,11 @@
-"""The training driver session: run_training plus what makes it durable, MLflow metrics
-written as steps become durable and checkpoints uploaded in the background.
+"""The training driver: one session of a run, from a TrainSpec to a TrainResult.
 
-The flow's train task runs it inline (local mode) or submits it as a Ray Job
-(`python -m miles_core.driver --job JOB.json`, see miles_core/ray_jobs.py); either way the
-same code logs metrics and uploads, so a job that outlives its Prefect task loses nothing.
+It opens the TrainingRun (actors, engines, transport), resumes from the latest complete
+checkpoint, runs the loop, and exports the policy; with an MLflow run and an object store in
+the spec it also logs metrics as steps become durable and uploads each checkpoint in the
+background. The flow's train task runs it inline, or as a Ray Job
+(`python -m miles_core.driver --spec SPEC.json ...`, see miles_core/ray_jobs.py); either way
+the same code logs and uploads, so a job that outlives its Prefect task loses nothing.
 """
 
 from __future__ import annotations
@@ -12,88 +14,176 @@ import argparse
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import fsspec
+from pydantic import BaseModel, ConfigDict
 
 from miles_core import checkpoint as ckpt
 from miles_core import tracking, uploads
-from miles_core.config import CheckpointConfig
-from miles_core.loop import LoopState
+from miles_core.config import RunConfig
+from miles_core.evaluation import HELDOUT
+from miles_core.loop import run_loop
+from miles_core.periodic_eval import PHASE
+from miles_core.reports import metric_key
+from miles_core.run import LoopState, MetricsFn, RunHooks, TrainingRun
 from miles_core.storage import write_json_atomic
-from miles_core.train import TrainSpec, run_training
 
 log = logging.getLogger(__name__)
+HELDOUT_PASS_AT_1 = metric_key(PHASE, HELDOUT, "pass@1")
 
 
-@dataclass
-class DriverJob:
-    """One driver session, as plain data (it is written to a file for Ray Jobs)."""
+class TrainSpec(BaseModel):
+    """Everything a driver session needs, as data (it crosses process boundaries as JSON)."""
 
-    train: dict
-    """TrainSpec fields."""
-    mlflow_uri: str
-    mlflow_run_id: str
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    config: RunConfig
+    model_dir: str
+    """HF directory the trainer and the engines start from."""
+    train_path: str
+    """jsonl of training prompts."""
+    run_dir: str
+    """Local run directory: checkpoints, HF export, driver files."""
+    teacher_dir: str | None = None
+    """HF directory of the distillation teacher; None without distillation."""
+    eval_path: str | None = None
+    """Held-out prompts of periodic evaluation (eval.interval_steps); None disables it."""
+    megatron_dir: str | None = None
+    """Converted torch_dist directory the Megatron trainer starts from; None starts it from
+    model_dir's HF weights (fsdp2 always reads model_dir)."""
     store_uri: str | None = None
     """Object store the checkpoints are uploaded to; None keeps them local only."""
     run_key: str | None = None
-    """Names the run's prefix in the store (runs/<run_key>/...)."""
+    """The run's identity: its prefix in the store (runs/<run_key>/...), its Ray Job ids."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI of the run's metrics; None logs none."""
+    mlflow_run_id: str | None = None
 
 
-def run_driver(job: DriverJob, on_step: Callable[[LoopState], None] = lambda s: None) -> dict:
-    """Train; returns the TrainResult as a dict plus the checkpoint upload statistics."""
-    spec = TrainSpec(**job.train)
-    uploader = _start_uploads(job.store_uri, job.run_key, spec)
-    metrics = tracking.MetricsLogger(job.mlflow_uri, job.mlflow_run_id)
+class UploadReport(BaseModel):
+    steps: list[int] = []
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    retries: int = 0
+    failures: list[str] = []
 
-    def on_checkpoint(step: int) -> None:
-        metrics.flush()
+
+class TrainResult(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    steps: int
+    resumed_from_step: int | None
+    final_checkpoint_dir: str
+    hf_export_dir: str
+    history: list[dict[str, float]]
+    """Metrics of each step this session trained."""
+    periodic_eval: list[dict[str, float]] = []
+    checkpoint_upload: UploadReport | None = None
+    """None when the spec names no object store."""
+
+
+def run_training(spec: TrainSpec, on_step: Callable[[LoopState], None] | None = None,
+                 on_metrics: MetricsFn | None = None, on_checkpoint: Callable[[int], None] | None = None
+                 ) -> TrainResult:
+    """Train the spec's run to training.num_steps, resuming from its latest checkpoint. The
+    callbacks see what MLflow and the uploader see (metrics per step, each durable checkpoint)."""
+    cfg = spec.config
+    uploader = _start_uploads(spec)
+    mlflow = tracking.MetricsLogger(spec.mlflow_uri, spec.mlflow_run_id) if spec.mlflow_run_id else None
+    progress = ProgressLog(cfg)
+
+    def checkpointed(step: int) -> None:
+        if mlflow:
+            mlflow.flush()
         log.info("checkpoint at step %d", step)
         if uploader is not None:
             uploader.submit(step, Path(spec.run_dir, "checkpoints", ckpt.step_dir_name(step)))
+        _call(on_checkpoint, step)
 
-    interval = spec.config["tracking"]["system_metrics_interval_seconds"]
+    def logged(step: int, metrics: dict[str, float]) -> None:
+        progress.record(step, metrics)
+        _call(mlflow and mlflow.log, step, metrics)
+        _call(on_metrics, step, metrics)
+
+    def stepped(state: LoopState) -> None:
+        progress.step(state)
+        _call(on_step, state)
+
     try:
-        with tracking.system_metrics(job.mlflow_uri, job.mlflow_run_id, interval):
-            result = run_training(spec, on_metrics=metrics.log, on_checkpoint=on_checkpoint, on_step=on_step)
+        with tracking.system_metrics(spec.mlflow_uri, spec.mlflow_run_id, cfg.tracking.system_metrics_interval_seconds):
+            result = _train(spec, RunHooks(on_metrics=logged, on_checkpoint=checkpointed, on_step=stepped))
     except BaseException:
         if uploader is not None:  # a retry starts its own uploader; this one must not race it
             uploader.close()
         raise
-    metrics.flush()
-    if result.resumed_from_step is not None:
-        log.info("resumed from step %d", result.resumed_from_step)
-    return asdict(result) | {"checkpoint_upload": _finish_uploads(uploader)}
+    if mlflow:
+        mlflow.flush()
+    return result.model_copy(update={"checkpoint_upload": _finish_uploads(uploader)})
+
+
+def _call(fn: Callable | None, *args) -> None:
+    if fn is not None:
+        fn(*args)
+
+
+def _train(spec: TrainSpec, hooks: RunHooks) -> TrainResult:
+    run = TrainingRun.open(spec.config, spec.run_dir, spec.model_dir, spec.train_path, eval_path=spec.eval_path,
+                           teacher_dir=spec.teacher_dir, megatron_dir=spec.megatron_dir, hooks=hooks)
+    try:
+        state, resumed_from = run.resume()
+        state = run_loop(run, state)
+        export_dir = run.export_hf()
+    finally:
+        run.close()
+    final = ckpt.latest_complete_checkpoint(run.checkpoints_dir)
+    return TrainResult(steps=state.step, resumed_from_step=resumed_from, final_checkpoint_dir=str(final[1]),
+                       hf_export_dir=str(export_dir), history=state.history, periodic_eval=state.periodic_eval)
+
+
+class ProgressLog:
+    """A log line every tracking.log_interval_steps steps: step, reward (or loss), the latest
+    periodic eval, step time."""
+
+    def __init__(self, cfg: RunConfig):
+        self.interval, self.num_steps = cfg.tracking.log_interval_steps, cfg.training.num_steps
+        self.latest_eval: str = ""
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        heldout = values.get(HELDOUT_PASS_AT_1)
+        if heldout is not None:
+            self.latest_eval = f"  eval pass@1 {heldout:.3f} (step {step})"
+
+    def step(self, state: LoopState) -> None:
+        if state.step % self.interval == 0 or state.step == self.num_steps:
+            log.info("step %d/%d  %s%s", state.step, self.num_steps, step_summary(state), self.latest_eval)
 
 
 def step_summary(state: LoopState) -> str:
-    """One line per step for progress displays."""
+    """Reward (or loss) and step time of the last step."""
     last = state.history[-1]
     score = (f"reward {last['rollout/reward_mean']:.3f}" if "rollout/reward_mean" in last
              else f"loss {last['train/loss']:.3f}")
     return f"{score}  step {last['time/step_seconds']:.2f}s"
 
 
-def _start_uploads(store_uri: str | None, run_key: str | None, spec: TrainSpec) -> uploads.CheckpointUploader | None:
+def _start_uploads(spec: TrainSpec) -> uploads.CheckpointUploader | None:
     """Restore the store's latest checkpoint when the run dir has no complete one (a new
     machine, a wiped work dir), then start the background uploader."""
-    if not (store_uri and run_key):
+    if not (spec.store_uri and spec.run_key):
         return None
-    cfg = CheckpointConfig(**spec.config["checkpoint"])
-    run_dir = Path(spec.run_dir)
-    restored = uploads.restore_latest(store_uri, run_key, run_dir / "checkpoints", cfg)
+    cfg, run_dir = spec.config.checkpoint, Path(spec.run_dir)
+    restored = uploads.restore_latest(spec.store_uri, spec.run_key, run_dir / "checkpoints", cfg)
     if restored is not None:
         log.info("restored checkpoint step %d from the object store", restored)
-    return uploads.CheckpointUploader(store_uri, run_key, cfg, run_dir / "upload_staging")
+    return uploads.CheckpointUploader(spec.store_uri, spec.run_key, cfg, run_dir / "upload_staging")
 
 
-def _finish_uploads(uploader: uploads.CheckpointUploader | None) -> dict:
+def _finish_uploads(uploader: uploads.CheckpointUploader | None) -> UploadReport | None:
     """Wait for queued uploads. A failure is logged, not raised: retrying training cannot fix
     the store, and upload-artifacts uploads the final checkpoint if latest.json lacks it."""
     if uploader is None:
-        return {}
+        return None
     try:
         uploader.wait(uploader.cfg.upload_wait_seconds)
     except (uploads.UploadFailed, TimeoutError) as exc:
@@ -103,8 +193,17 @@ def _finish_uploads(uploader: uploads.CheckpointUploader | None) -> dict:
     s = uploader.stats
     log.info("checkpoint uploads: steps %s, %d files, %.1f MB, %.1f MB/s, %d retries, %d failures",
              s.checkpoints, s.files, s.bytes / 1e6, s.megabytes_per_second(), s.retries, len(s.failures))
-    return {"steps": s.checkpoints, "files": s.files, "bytes": s.bytes, "seconds": round(s.seconds, 3),
-            "retries": s.retries, "failures": s.failures}
+    return UploadReport(steps=s.checkpoints, files=s.files, bytes=s.bytes, seconds=round(s.seconds, 3),
+                        retries=s.retries, failures=s.failures)
+
+
+class JobError(BaseModel):
+    """What a Ray Job driver raised, for the watching task to classify (retry or fail fast)."""
+
+    type: str
+    message: str
+    class_names: list[str]
+    """Names of the classes in the exception's MRO (what is_retryable_class reads)."""
 
 
 def _write_result(path: str, record: dict) -> None:
@@ -113,34 +212,32 @@ def _write_result(path: str, record: dict) -> None:
 
 
 def main() -> None:
-    """Ray Job entry point: run the session in JOB.json; report each step to PROGRESS
+    """Ray Job entry point: run the session in SPEC.json; report each step to PROGRESS
     (one JSON line per step, what the watching task's stall detection reads) and the
-    result to RESULT."""
+    result (a TrainResult, or {"error": JobError}) to RESULT."""
     import ray
 
     parser = argparse.ArgumentParser(description="Run one training driver session (a Ray Job's entry point).")
-    parser.add_argument("--job", required=True, help="JSON file holding a DriverJob")
+    parser.add_argument("--spec", required=True, help="JSON file holding a TrainSpec")
     parser.add_argument("--progress", required=True, help="JSON-lines file; one line is appended per step")
     parser.add_argument("--result", required=True, help="where the result JSON is written when training ends")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    job = DriverJob(**json.loads(Path(args.job).read_text()))
+    spec = TrainSpec.model_validate_json(Path(args.spec).read_text())
     ray.init(address="auto", ignore_reinit_error=True, log_to_driver=True)
-    num_steps = job.train["config"]["training"]["num_steps"]
     with open(args.progress, "a") as progress:
         def on_step(state: LoopState) -> None:
             progress.write(json.dumps({"step": state.step, "time": time.time()}) + "\n")
             progress.flush()
-            log.info("step %d/%d  %s", state.step, num_steps, step_summary(state))
 
         try:
-            result = run_driver(job, on_step)
+            result = run_training(spec, on_step)
         except BaseException as exc:  # the watching task classifies it: retry or fail fast
-            error = {"type": type(exc).__name__, "message": str(exc)[-2000:],
-                     "mro": [cls.__name__ for cls in type(exc).__mro__]}
-            _write_result(args.result, {"error": error})
+            error = JobError(type=type(exc).__name__, message=str(exc)[-2000:],
+                             class_names=[cls.__name__ for cls in type(exc).__mro__])
+            _write_result(args.result, {"error": error.model_dump()})
             raise
-    _write_result(args.result, result)
+    _write_result(args.result, result.model_dump(mode="json"))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ import json
 import shlex
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from miles_core.config import RunConfig
 from miles_core.data import Prompt, read_prompts
@@ -20,6 +21,8 @@ from miles_core.rewards import get_reward
 
 MAX_EXAMPLES = 8
 HELDOUT = "heldout"
+EvalResults = dict[str, dict[str, Any]]
+"""{dataset name: {"pass@1": ..., "pass@k": ..., "num_prompts": ..., "samples": [...]}}."""
 
 
 class ExternalEvalError(RuntimeError):
@@ -100,7 +103,7 @@ def evaluate_greedy(engine, prompts: list[Prompt], reward: str, max_new_tokens: 
 
 
 def evaluate_all(cfg: RunConfig, model_dir: str | Path | None, default_eval_path: str | Path,
-                 external_timeout_seconds: float = 3600, engine: Any = None) -> dict[str, dict[str, Any]]:
+                 external_timeout_seconds: float = 3600, engine: Any = None) -> EvalResults:
     """{dataset name: result} for the held-out set ("heldout") and every eval.datasets entry.
 
     Generates on `engine` when given (e.g. the run's rollout engines), else on an engine

@@ -12,34 +12,22 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
 
 from miles_core import algorithms as algo
-from miles_core import checkpoint as ckpt
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, Sample, sft_samples
-from miles_core.periodic_eval import PeriodicEvaluator
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.router import NoHealthyEngine
 from miles_core.schedules import SCHEDULES, RolloutBatch, timed
-from miles_core.weights import WeightTransport
+
+if TYPE_CHECKING:
+    from miles_core.run import LoopState, TrainingRun
 
 log = logging.getLogger(__name__)
-MetricsFn = Callable[[int, dict[str, float]], None]
-
-
-@dataclass
-class LoopState:
-    step: int = 0
-    weight_version: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)
-    periodic_eval: list[dict[str, float]] = field(default_factory=list)
-    """{"step": s, eval/periodic/...: value} per periodic evaluation of this attempt."""
 
 
 def collect_rollouts(cfg: RunConfig, manager: RolloutManager, source: PromptSource, seed: int
@@ -100,33 +88,23 @@ def throughput(batch: RolloutBatch, train_seconds: float) -> dict[str, float]:
             "train/tokens_per_second": trained / max(train_seconds, 1e-9)}
 
 
-def save(cfg: RunConfig, trainer: Any, run_dir: Path, state: LoopState, cursor: dict) -> Path:
-    extra = {"step": state.step, "weight_version": state.weight_version, "data": cursor}
-
-    def write(staging: Path) -> None:
-        ray.get(trainer.save_state.remote(str(staging), extra))
-
-    path = ckpt.write_checkpoint(run_dir / "checkpoints", state.step, cfg.digest(), write)
-    ckpt.prune(run_dir / "checkpoints", cfg.checkpoint.keep_latest)
-    return path
-
-
-def make_producer(cfg: RunConfig, manager: RolloutManager, source: PromptSource, tokenizer: Any,
-                  recover: Callable[[int], None]):
+def make_producer(run: TrainingRun, manager: RolloutManager):
     """(step, engine version) -> RolloutBatch: RL rollouts, or dataset labels for SFT.
-    When every engine is down, `recover` restarts them at the batch's weight version and the
-    batch is generated again from the same prompts."""
+    When every engine is down, they are restarted at the batch's weight version and the batch
+    is generated again from the same prompts."""
+    cfg, source = run.cfg, run.source
 
     def produce(step: int, version: int) -> RolloutBatch:
         if cfg.algorithm.name == "sft":
-            samples = sft_samples(source.next_batch(cfg.rollout.num_prompts_per_step), tokenizer)
+            samples = sft_samples(source.next_batch(cfg.rollout.num_prompts_per_step), run.tokenizer)
             return RolloutBatch(samples, {}, version, source.state_dict())
         cursor = source.state_dict()
         try:
             samples, sampling = collect_rollouts(cfg, manager, source, seed=cfg.seed * 100_003 + step * 97)
         except NoHealthyEngine:
             log.warning("no healthy engine during the rollout of step %d; restarting engines", step + 1)
-            recover(version)
+            run.engines.heal()
+            run.push_weights(version)
             source.load_state_dict(cursor)
             samples, sampling = collect_rollouts(cfg, manager, source, seed=cfg.seed * 100_003 + step * 97)
         versions = {s.weight_version for s in samples}
@@ -148,48 +126,43 @@ def train_on(cfg: RunConfig, trainer: Any, batch: RolloutBatch) -> dict[str, flo
     return metrics | {"time/train_seconds": time.perf_counter() - started}
 
 
-def run_loop(cfg: RunConfig, trainer: Any, engines: Any, transport: WeightTransport,
-             source: PromptSource, run_dir: Path, state: LoopState, tokenizer: Any,
-             on_metrics: MetricsFn, on_checkpoint: Callable[[int], None],
-             on_step: Callable[[LoopState], None] = lambda s: None,
-             evaluator: PeriodicEvaluator | None = None) -> LoopState:
+def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
+    """Train from state to training.num_steps: one rollout batch, one update and one weight push
+    per step, a checkpoint every checkpoint.interval_steps."""
+    cfg, engines, evaluator = run.cfg, run.engines, run.evaluator
     manager = RolloutManager(engines, cfg.rollout, cfg.rollout.reward, return_routed_experts=cfg.routing_replay)
 
     def record_evals(wait: bool) -> None:
-        for step, metrics in (evaluator.collect(wait) if evaluator else {}).items():
+        for step, metrics in evaluator.collect(wait).items():
             state.periodic_eval.append({"step": step, **metrics})
-            on_metrics(step, metrics)
+            run.hooks.on_metrics(step, metrics)
 
-    def recover(version: int) -> None:
-        engines.heal()
-        transport.push(trainer, engines.targets(), version)
-
-    schedule = SCHEDULES[cfg.rollout.loop](make_producer(cfg, manager, source, tokenizer, recover), cfg)
+    schedule = SCHEDULES[cfg.rollout.loop.kind](make_producer(run, manager), cfg)
     try:
         while state.step < cfg.training.num_steps:
             started = time.perf_counter()
             batch = schedule.next(state.step, state.weight_version)
             waited = time.perf_counter() - started
-            metrics = batch.metrics | train_on(cfg, trainer, batch)
+            metrics = batch.metrics | train_on(cfg, run.trainer, batch)
             state.step += 1
             state.weight_version += 1
             with schedule.hold_engines():  # no generation runs while weights change
                 metrics["rollout/engine_restarts"] = float(len(engines.heal()))
-                metrics |= transport.push(trainer, engines.targets(), state.weight_version)
-                if evaluator and evaluator.due(state.step):  # rollout engines are held: rollout pauses
+                metrics |= run.push_weights(state.weight_version)
+                if evaluator.due(state.step):  # rollout engines are held: rollout pauses
                     evaluator.run(state.step, state.weight_version, engines)
             metrics |= throughput(batch, metrics["time/train_seconds"])
             metrics |= {"time/rollout_seconds": batch.seconds, "time/rollout_wait_seconds": waited,
                         "time/step_seconds": time.perf_counter() - started,
                         "rollout/weight_version": float(batch.version)}
             state.history.append({"step": state.step, **metrics})
-            on_metrics(state.step, metrics)
+            run.hooks.on_metrics(state.step, metrics)
             checkpoint_due = state.step % cfg.checkpoint.interval_steps == 0 or state.step == cfg.training.num_steps
             record_evals(wait=checkpoint_due)  # an eval becomes durable with the checkpoint after its step
             if checkpoint_due:
-                save(cfg, trainer, run_dir, state, batch.cursor)
-                on_checkpoint(state.step)
-            on_step(state)
+                run.save(state, batch.cursor)
+                run.hooks.on_checkpoint(state.step)
+            run.hooks.on_step(state)
     finally:
         schedule.close()
     return state

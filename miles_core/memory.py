@@ -67,7 +67,7 @@ class ModelDims:
     qk_norm: bool = True
 
     @classmethod
-    def from_hf_config(cls, hf: dict) -> "ModelDims":
+    def from_hf_config(cls, hf: dict) -> ModelDims:
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         return cls(num_layers=hf["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
                    num_kv_heads=hf.get("num_key_value_heads", heads), head_dim=hf.get("head_dim") or hidden // heads,

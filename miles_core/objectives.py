@@ -6,7 +6,7 @@ tensors are [B, T] in next-token layout with a float mask of trainable tokens.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

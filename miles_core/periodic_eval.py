@@ -25,6 +25,7 @@ import ray
 
 from miles_core import evaluation
 from miles_core.config import RunConfig
+from miles_core.config.rollout import ObjectStoreTransport
 from miles_core.reports import eval_metrics
 from miles_core.rollout.engine_group import EngineGroup
 from miles_core.weights import make_transport
@@ -72,7 +73,7 @@ class PeriodicEvaluator:
             self.dedicated = EngineGroup(eval_cfg, model_dir)
             # Object store: a second broadcast group to other engines would rebuild the
             # rollout group's communicator at every eval.
-            self.transport = make_transport("object_store", str(run_dir), 0, cfg.rollout.verify_weight_sync)
+            self.transport = make_transport(ObjectStoreTransport(), str(run_dir), cfg.rollout.verify_weight_sync)
 
     def due(self, step: int) -> bool:
         return bool(self.interval) and step % self.interval == 0

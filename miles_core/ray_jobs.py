@@ -14,14 +14,14 @@ import json
 import logging
 import shlex
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from miles_core.driver import DriverJob
-from miles_core.errors import InfrastructureError
+from miles_core.driver import TrainResult, TrainSpec
+from miles_core.errors import InfrastructureError, is_retryable_class
 
 log = logging.getLogger(__name__)
 PREFIX = "miles-"
@@ -60,7 +60,7 @@ class JobFiles:
     result: Path
 
     @classmethod
-    def of(cls, driver_dir: Path, submission_id: str) -> "JobFiles":
+    def of(cls, driver_dir: Path, submission_id: str) -> JobFiles:
         return cls(*(driver_dir / f"{submission_id}.{kind}" for kind in ("job.json", "progress.jsonl", "result.json")))
 
 
@@ -75,7 +75,7 @@ def run_jobs(client: JobSubmissionClient, run_key: str) -> list[tuple[int, str, 
     return sorted(found)
 
 
-def submit_or_attach(client: JobSubmissionClient, run_key: str, driver_dir: Path, job: DriverJob,
+def submit_or_attach(client: JobSubmissionClient, run_key: str, driver_dir: Path, spec: TrainSpec,
                      python: str) -> tuple[str, bool]:
     """Attach to the run's live driver job, else submit the next attempt; (submission id, attached)."""
     jobs = run_jobs(client, run_key)
@@ -84,8 +84,8 @@ def submit_or_attach(client: JobSubmissionClient, run_key: str, driver_dir: Path
         return live[-1], True
     sid = f"{PREFIX}{run_key}-{jobs[-1][0] + 1 if jobs else 1}"
     files = JobFiles.of(driver_dir, sid)
-    files.job.write_text(json.dumps(asdict(job)))
-    entrypoint = shlex.join([python, "-m", "miles_core.driver", "--job", str(files.job),
+    files.job.write_text(spec.model_dump_json())
+    entrypoint = shlex.join([python, "-m", "miles_core.driver", "--spec", str(files.job),
                              "--progress", str(files.progress), "--result", str(files.result)])
     client.submit_job(entrypoint=entrypoint, submission_id=sid, entrypoint_num_cpus=0,
                       metadata={"miles.run_key": run_key})
@@ -121,15 +121,15 @@ def watch(client: JobSubmissionClient, sid: str, files: JobFiles, stall_seconds:
         time.sleep(poll_seconds)
 
 
-def outcome(sid: str, status: JobStatus, files: JobFiles, is_infrastructure: Callable[[list[str]], bool]) -> dict:
+def outcome(sid: str, status: JobStatus, files: JobFiles) -> TrainResult:
     """The result of a finished job, or the error it ended with, classified for retries."""
     record = json.loads(files.result.read_text()) if files.result.is_file() else None
     if status == JobStatus.SUCCEEDED and record and "error" not in record:
-        return record
+        return TrainResult.model_validate(record)
     if record and "error" in record:
         error = record["error"]
         message = f"driver job {sid} failed: {error['type']}: {error['message']}"
-        raise (DriverJobLost if is_infrastructure(error["mro"]) else DriverJobFailed)(message)
+        raise (DriverJobLost if is_retryable_class(error["class_names"]) else DriverJobFailed)(message)
     raise DriverJobLost(f"driver job {sid} ended {status.value} without a result (killed, out of memory, "
                         "or its node was lost); the retry resumes from the latest checkpoint")
 

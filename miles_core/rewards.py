@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import re
-from typing import Callable
+from collections.abc import Callable
 
 RewardFn = Callable[[str, str], float]
 REWARDS: dict[str, RewardFn] = {}

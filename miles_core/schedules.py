@@ -9,10 +9,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
 
 from miles_core.config import RunConfig
 from miles_core.data import Sample
@@ -79,8 +79,8 @@ class FullyAsyncSchedule:
 
     def __init__(self, produce: Producer, cfg: RunConfig):
         r = cfg.rollout
-        self.produce, self.max_staleness, self.policy = produce, r.max_weight_staleness, r.stale_policy
-        self.buffer: queue.Queue[RolloutBatch | BaseException] = queue.Queue(maxsize=r.async_buffer_batches)
+        self.produce, self.max_staleness, self.policy = produce, r.loop.max_weight_staleness, r.loop.stale_policy
+        self.buffer: queue.Queue[RolloutBatch | BaseException] = queue.Queue(maxsize=r.loop.buffer_batches)
         self.engine_lock = threading.Lock()
         self.engine_version, self.produced = 0, 0
         self.stop = threading.Event()

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the tokenizer builder must import without pydantic (GPU hosts)
     from miles_core.config import TinyModelConfig
@@ -43,7 +42,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(shape: "TinyModelConfig", out_dir: str | Path) -> Path:
+def build_tiny_model(shape: TinyModelConfig, out_dir: str | Path) -> Path:
     """Write a randomly initialised tiny Qwen3 + its tokenizer as an HF directory."""
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer()
@@ -65,7 +64,7 @@ def build_tiny_model(shape: "TinyModelConfig", out_dir: str | Path) -> Path:
     return save_random_model(config, tokenizer, out_dir, shape.seed)
 
 
-def build_tiny_moe_model(shape: "TinyModelConfig", out_dir: str | Path, num_experts: int = 4,
+def build_tiny_moe_model(shape: TinyModelConfig, out_dir: str | Path, num_experts: int = 4,
                          experts_per_token: int = 2) -> Path:
     """The tiny model's shape as a Qwen3-MoE (every layer's MLP a set of small experts) + its
     tokenizer: for routing replay and expert parallelism without a downloaded MoE."""

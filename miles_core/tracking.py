@@ -85,10 +85,11 @@ def find_run(cfg: RunConfig, run_key: str) -> tuple[str, str] | None:
 
 
 @contextmanager
-def system_metrics(uri: str, run_id: str, interval_seconds: float):
+def system_metrics(uri: str | None, run_id: str | None, interval_seconds: float):
     """MLflow's system metrics (system/cpu_utilization_percentage, memory, disk, network, and
-    GPU ones where a GPU is visible) sampled while the block runs; steps continue on resume."""
-    if interval_seconds <= 0:
+    GPU ones where a GPU is visible) sampled while the block runs; steps continue on resume.
+    Nothing without a run or with interval_seconds 0."""
+    if interval_seconds <= 0 or not run_id:
         yield
         return
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor

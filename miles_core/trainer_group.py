@@ -27,11 +27,9 @@ import ray
 def _rendezvous_endpoint() -> tuple[str, int]:
     """Runs on rank 0's bundle: the address every rank's process group connects to. The port is
     free now and re-bound by rank 0 moments later (a small race, as torchrun's own)."""
-    import socket
+    from miles_core.net import rendezvous_endpoint
 
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return ray.util.get_node_ip_address(), sock.getsockname()[1]
+    return rendezvous_endpoint()
 
 
 @ray.remote(num_cpus=0)
@@ -68,7 +66,7 @@ def rank_actor_class(trainer_type: type) -> type:
 
 
 class _GroupMethod:
-    def __init__(self, group: "TrainerGroup", name: str):
+    def __init__(self, group: TrainerGroup, name: str):
         self.group, self.name = group, name
 
     def remote(self, *args: Any, **kwargs: Any) -> ray.ObjectRef:

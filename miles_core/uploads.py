@@ -20,9 +20,12 @@ import random
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict
 
 from miles_core import checkpoint as ckpt
 from miles_core import storage
@@ -80,7 +83,7 @@ def with_retries(what: str, fn: Callable[[], T], cfg: CheckpointConfig, stats: U
     for attempt in range(1, cfg.upload_attempts + 1):
         try:
             return fn()
-        except Exception as exc:  # noqa: BLE001 - classified just below
+        except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             if not is_transient(exc):
                 raise UploadFailed(f"{what}: {error} (not retried: a retry cannot fix this)") from exc
@@ -308,3 +311,36 @@ def restore_latest(store_uri: str, run_key: str, checkpoints_dir: Path, cfg: Che
     log.info("restored checkpoint step %d from %s in %.1f s (%d retries)", latest["step"], latest["uri"],
              time.perf_counter() - started, stats.retries)
     return latest["step"]
+
+
+class PublishedRun(BaseModel):
+    """Where a finished run's artifacts are in the object store."""
+
+    model_config = ConfigDict(frozen=True)
+    checkpoint_uri: str
+    """The final checkpoint (what runs/<run_key>/checkpoints/latest.json names)."""
+    hf_export_uri: str
+    bytes: int
+    """Bytes uploaded by this call (0 for a checkpoint the driver had uploaded)."""
+    checkpoint_uploaded_now: bool
+    """False when the driver's background uploader had already stored the final checkpoint."""
+
+
+def publish_run(store_uri: str, run_key: str, checkpoint_dir: Path, hf_export_dir: Path,
+                cfg: CheckpointConfig) -> PublishedRun:
+    """Make sure the final checkpoint is in the store (the driver normally uploaded it already:
+    latest.json says so), then copy the HF export, verifying each file."""
+    step = json.loads((checkpoint_dir / ckpt.MANIFEST).read_text())["step"]
+    stats = UploadStats()
+    pointer, uploaded_now = upload_checkpoint(store_uri, run_key, step, checkpoint_dir, cfg, stats)
+    if uploaded_now:
+        log.info("uploaded final checkpoint step %d (%.1f MB, %d retries)", step, stats.bytes / 1e6, stats.retries)
+    else:
+        log.info("final checkpoint step %d already in the store (latest.json): %s", step, pointer["uri"])
+    export_uri = storage.join_uri(store_uri, "runs", run_key, "hf_export")
+    export_files = storage.upload_dir(str(hf_export_dir), export_uri, cfg.upload_timeout_seconds,
+                                      cfg.upload_part_megabytes << 20)
+    total = sum(f["size"] for f in export_files.values())
+    log.info("uploaded HF export: %d files (%.1f MB), sizes and sha256 verified", len(export_files), total / 1e6)
+    return PublishedRun(checkpoint_uri=pointer["uri"], hf_export_uri=export_uri, bytes=total + stats.bytes,
+                        checkpoint_uploaded_now=uploaded_now)

@@ -1,4 +1,4 @@
-"""Weight-sync transports (Ray is imported lazily: engines load this module on GPU hosts without Ray): trainer (HF names) -> rollout engines, stamped with a version.
+"""Weight-sync transports: trainer (HF names) -> rollout engines, stamped with a version.
 
 Each transport pushes the trainer's full weights to a list of engine targets (actor, url)
 and can verify the result by comparing a sha256 of the exact bytes on both sides.
@@ -6,8 +6,6 @@ and can verify the result by comparing a sha256 of the exact bytes on both sides
 
 from __future__ import annotations
 
-import hashlib
-import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,57 +14,10 @@ from typing import Any, Protocol
 
 import torch
 
+from miles_core.config.rollout import TransportConfig
+from miles_core.rollout.sglang_client import SGLangClient
+
 Target = tuple[Any, str]  # (engine actor handle, engine base URL)
-
-
-# MoE experts have two layouts under HF names: the checkpoint's one tensor per expert and
-# projection (what save_pretrained writes and SGLang loads), and transformers 5 modules' fused
-# `mlp.experts.gate_up_proj` [E, 2F, H] / `mlp.experts.down_proj` [E, H, F].
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
-def checkpoint_layout(named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Fused expert tensors split into the checkpoint's per-expert ones (views); others as given."""
-    out = {}
-    for name, tensor in named_tensors.items():
-        if (m := _FUSED.match(name)) is None:
-            out[name] = tensor
-            continue
-        for expert, weight in enumerate(tensor):
-            prefix = f"{m.group(1)}.{expert}."
-            if m.group(2) == "down_proj":
-                out[prefix + "down_proj.weight"] = weight
-            else:
-                out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = weight.chunk(2)
-    return out
-
-
-def fused_layout(named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert tensors stacked into transformers 5's fused expert tensors; others as given."""
-    out, experts = {}, {}
-    for name, tensor in named_tensors.items():
-        if (m := _PER_EXPERT.match(name)) is None:
-            out[name] = tensor
-        else:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = tensor
-    for prefix, by_index in experts.items():
-        order = [by_index[i] for i in sorted(by_index)]
-        out[prefix + ".gate_up_proj"] = torch.stack([torch.cat([e["gate_proj"], e["up_proj"]]) for e in order])
-        out[prefix + ".down_proj"] = torch.stack([e["down_proj"] for e in order])
-    return out
-
-
-def weights_sha256(named_tensors: dict[str, torch.Tensor], names: list[str] | None = None) -> str:
-    """Digest of the exact bytes of the named tensors (sorted by name): the equality check.
-    Taken in the checkpoint layout, so fused and per-expert MoE weights digest alike."""
-    named_tensors = checkpoint_layout(named_tensors)
-    digest = hashlib.sha256()
-    for name in sorted(names or named_tensors):
-        tensor = named_tensors[name].detach().cpu().contiguous()
-        digest.update(name.encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
 
 
 class WeightTransport(Protocol):
@@ -117,8 +68,6 @@ class DiskTransport:
     def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
         import ray
 
-        from miles_core.rollout.sglang_client import SGLangClient
-
         started = time.perf_counter()
         out = self.sync_dir / f"v{version:06d}"
         ray.get(trainer.export_hf.remote(str(out)))
@@ -148,8 +97,6 @@ class BroadcastTransport:
 
     def _connect(self, trainer: Any, urls: tuple[str, ...]) -> None:
         import ray
-
-        from miles_core.rollout.sglang_client import SGLangClient
 
         if self.members:
             ray.get(trainer.close_weight_broadcast.remote())
@@ -184,22 +131,21 @@ class BroadcastTransport:
                 "weights/broadcast_gbytes": sent_bytes / 1e9}
 
 
-def make_transport(kind: str, run_dir: str, bucket_megabytes: int, verify: bool) -> WeightTransport:
-    if kind == "object_store":
+def make_transport(config: TransportConfig, run_dir: str, verify: bool) -> WeightTransport:
+    """The transport that a `rollout.weight_transport` config names."""
+    if config.kind == "object_store":
         return ObjectStoreTransport(verify=verify)
-    if kind == "disk":
+    if config.kind == "disk":
         return DiskTransport(str(Path(run_dir) / "weight_sync"), verify=verify)
-    if kind == "broadcast":
-        return BroadcastTransport(bucket_megabytes, verify=verify)
-    raise ValueError(f"unknown weight transport {kind!r}")
+    if config.kind == "broadcast":
+        return BroadcastTransport(config.bucket_megabytes, verify=verify)
+    raise ValueError(f"unknown weight transport {config.kind!r}")
 
 
 def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str], group_name: str,
                          version: str, bucket_bytes: int) -> int:
     """Sender side (runs in the trainer): per bucket, ask every engine to receive the named
     tensors, then broadcast them in that order. Returns the bytes sent."""
-    from miles_core.rollout.sglang_client import SGLangClient
-
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     names, buckets, size = list(state), [[]], 0
     for name in names:
@@ -211,8 +157,9 @@ def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str],
         size += nbytes
     with ThreadPoolExecutor(max_workers=len(urls)) as pool:
         for bucket in buckets:
-            meta = ([str(state[n].dtype).removeprefix("torch.") for n in bucket], [list(state[n].shape) for n in bucket])
-            requests = [pool.submit(SGLangClient(url).update_weights_from_distributed, bucket, meta[0], meta[1],
+            dtypes = [str(state[n].dtype).removeprefix("torch.") for n in bucket]
+            shapes = [list(state[n].shape) for n in bucket]
+            requests = [pool.submit(SGLangClient(url).update_weights_from_distributed, bucket, dtypes, shapes,
                                     group_name, version) for url in urls]
             for name in bucket:
                 torch.distributed.broadcast(state[name].to(device), src=0, group=group)

@@ -1,4 +1,5 @@
-"""Evaluation task: every dataset of the recipe (held-out + eval.datasets), pass@k per dataset."""
+"""The evaluation task of both flows: every dataset of the recipe (held-out + eval.datasets),
+pass@k per dataset."""
 
 from __future__ import annotations
 
@@ -6,14 +7,13 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from miles_core.config import RunConfig
+from miles_core.evaluation import EvalResults, evaluate_all
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate(config: dict, model_dir: str, eval_path: str, phase: str) -> dict:
+def evaluate(cfg: RunConfig, model_dir: str, eval_path: str, phase: str) -> EvalResults:
     """{dataset name: result}; "heldout" is data.eval_path (or the built-in split)."""
-    from miles_core.evaluation import evaluate_all
-
-    results = evaluate_all(RunConfig.model_validate(config), model_dir, eval_path)
+    results = evaluate_all(cfg, model_dir, eval_path)
     for name, result in results.items():
         get_run_logger().info("eval %s %s: pass@1 %.3f on %s prompts", phase, name, result["pass@1"],
                               result.get("num_prompts", "?"))

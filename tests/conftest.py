@@ -38,12 +38,12 @@ def warm_tiny(tmp_path_factory) -> dict:
     already scores. Built once per session; {"cfg", "base", "warm", "train", "eval"}."""
     import ray
     import yaml
+    from transformers import AutoTokenizer
 
     from miles_core.config import build_config
     from miles_core.data import read_prompts, write_arithmetic_task
     from miles_core.tiny import build_tiny_model
     from miles_core.warmup import run_sft_warmup
-    from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("warm")
     cfg = build_config(yaml.safe_load((REPO / "configs/local.yaml").read_text()))

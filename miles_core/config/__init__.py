@@ -9,14 +9,32 @@ fields are rejected so that a typo never silently falls back to a default.
     loading.py    YAML + `--set` overrides -> a validated RunConfig; the field reference
 """
 
-from miles_core.config.algorithm import (ALGORITHMS, GROUP_ALGORITHMS, KL_IN_REWARD_ALGORITHMS, AlgorithmConfig,
-                                         CorrectionConfig)
+from miles_core.config.algorithm import (
+                                         ALGORITHMS,
+                                         GROUP_ALGORITHMS,
+                                         KL_IN_REWARD_ALGORITHMS,
+                                         AlgorithmConfig,
+                                         CorrectionConfig,
+)
 from miles_core.config.base import ConfigError, Section
 from miles_core.config.loading import build_config, field_docs, load_config, parse_overrides
-from miles_core.config.schema import (ArithmeticTaskConfig, CheckpointConfig, DataConfig, EvalConfig,
-                                      EvalDatasetConfig, MegatronConfig, ModelConfig, PlacementConfig,
-                                      RolloutConfig, RunConfig, StorageConfig, TinyModelConfig, TrackingConfig,
-                                      TrainingConfig, WarmupConfig)
+from miles_core.config.schema import (
+                                         ArithmeticTaskConfig,
+                                         CheckpointConfig,
+                                         DataConfig,
+                                         EvalConfig,
+                                         EvalDatasetConfig,
+                                         MegatronConfig,
+                                         ModelConfig,
+                                         PlacementConfig,
+                                         RolloutConfig,
+                                         RunConfig,
+                                         StorageConfig,
+                                         TinyModelConfig,
+                                         TrackingConfig,
+                                         TrainingConfig,
+                                         WarmupConfig,
+)
 
 __all__ = ["ALGORITHMS", "GROUP_ALGORITHMS", "KL_IN_REWARD_ALGORITHMS", "AlgorithmConfig", "ArithmeticTaskConfig",
            "CheckpointConfig", "ConfigError", "CorrectionConfig", "DataConfig", "EvalConfig", "EvalDatasetConfig",

@@ -99,7 +99,7 @@ class AlgorithmConfig(Section):
         return self.opd_coef or (1.0 if self.name == "opd" else 0.0)
 
     @model_validator(mode="after")
-    def _combinations(self) -> "AlgorithmConfig":
+    def _combinations(self) -> AlgorithmConfig:
         if self.kl_loss_coef > 0 and self.kl_in_reward_coef > 0:
             raise ValueError("KL as a loss and KL in the reward are exclusive: set kl_loss_coef or "
                              "kl_in_reward_coef to 0")

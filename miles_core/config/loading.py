@@ -4,6 +4,7 @@ the input, and the field reference `miles plan --fields` prints."""
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
     *parents, leaf = dotted_key.split(".")
     for part in parents:
         child = node.setdefault(part, {})
+        if isinstance(child, str):  # a variant written as its kind alone (`loop: fully_async`)
+            child = node[part] = {"kind": child}
         if not isinstance(child, dict):
             raise ConfigError(f"--set {dotted_key}: '{part}' is a value, not a section")
         node = child
@@ -40,6 +43,10 @@ def _explain(exc: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "union_tag_not_found":
+            lines.append(f"  {where}: which kind? set {where}.kind, or write {where}: <kind> (the kinds and their "
+                         "fields: `miles plan --fields`)")
+            continue
         if err["type"] == "extra_forbidden":
             lines.append(f"  {where}: unknown field; remove it or check the spelling (see `miles plan --fields`)")
             continue
@@ -79,8 +86,27 @@ def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tup
     for name, info in model.model_fields.items():
         dotted = f"{prefix}{name}"
         annotation = info.annotation
+        options = _variant_models(annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows.extend(field_docs(annotation, dotted + "."))
+        elif options:
+            kinds = " | ".join(m.model_fields["kind"].default for m in options)
+            rows.append((f"{dotted}.kind", repr(info.default.kind), f"one of {kinds}. " + _doc(info)))
+            for variant in options:
+                for name_, default, doc in field_docs(variant, dotted + "."):
+                    if not name_.endswith(".kind"):
+                        rows.append((name_, default, f"({variant.model_fields['kind'].default} only) {doc}"))
         else:
-            rows.append((dotted, repr(info.default), " ".join((info.description or "").split())))
+            rows.append((dotted, repr(info.default), _doc(info)))
     return rows
+
+
+def _doc(info) -> str:
+    return " ".join((info.description or "").split())
+
+
+def _variant_models(annotation: Any) -> list[type[BaseModel]]:
+    """The models of a `variants(...)` field (a discriminated union), else []."""
+    models = [arg for arg in typing.get_args(annotation)
+              if isinstance(arg, type) and issubclass(arg, BaseModel) and "kind" in arg.model_fields]
+    return models if len(models) == len(typing.get_args(annotation)) else []

@@ -6,12 +6,13 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
 from miles_core.config.algorithm import GROUP_ALGORITHMS, AlgorithmConfig
 from miles_core.config.base import Section
+from miles_core.config.rollout import RolloutConfig
 
 
 class TinyModelConfig(Section):
@@ -29,7 +30,7 @@ class TinyModelConfig(Section):
     """Seed of the random initialisation, part of the built-in model's identity."""
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "TinyModelConfig":
+    def _heads_divide(self) -> TinyModelConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be a multiple of num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -48,7 +49,7 @@ class ModelConfig(Section):
     """Parameter dtype of trainer and engine. float32 on CPU."""
 
     @model_validator(mode="after")
-    def _known_scheme(self) -> "ModelConfig":
+    def _known_scheme(self) -> ModelConfig:
         src = self.source
         if src.startswith("builtin:") and src != "builtin:tiny-qwen3":
             raise ValueError(f"unknown built-in model {src!r}; the only one is 'builtin:tiny-qwen3'")
@@ -106,55 +107,6 @@ class WarmupConfig(Section):
     on; RL still trains on them."""
 
 
-class RolloutConfig(Section):
-    engine: Literal["embedded", "sglang"] = "embedded"
-    """Rollout engine: `embedded` (transformers, runs anywhere) or `sglang` (GPU clusters)."""
-    num_engines: int = Field(1, ge=1)
-    """Engine replicas; each is a Ray actor."""
-    num_prompts_per_step: int = Field(32, ge=1)
-    """Prompts drawn from the dataset for one RL step."""
-    num_samples_per_prompt: int = Field(8, ge=1)
-    """Group size n: responses sampled per prompt (GRPO needs n >= 2)."""
-    max_new_tokens: int = Field(8, ge=1)
-    """Generation budget per response."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature; the trainer scales logits by the same value."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling threshold."""
-    reward: str = "exact_match"
-    """Reward function: a registered name (exact_match, math, math_boxed, dapo) or `module:function`."""
-    weight_transport: Literal["object_store", "broadcast", "disk"] = "object_store"
-    """How weights reach the engines after each step: Ray's object store (same node, zero
-    copy), a torch.distributed broadcast from the trainer (gloo on CPU, NCCL on GPU, bucketed),
-    or an HF safetensors directory on shared disk."""
-    broadcast_bucket_megabytes: int = Field(512, ge=1)
-    """Bucket size of the broadcast transport (one engine request per bucket)."""
-    server_args: dict[str, Any] = {}
-    """SGLang server args (e.g. {mem_fraction_static: 0.8}); unknown ones are dropped with a warning."""
-    bind_host: Literal["loopback", "node_ip"] = "loopback"
-    """Engine HTTP servers bind to 127.0.0.1 (one-machine clusters) or the Ray node's IP."""
-    request_timeout_seconds: float = Field(300.0, gt=0)
-    """An engine that does not answer a generate request within this is treated as hung."""
-    health_timeout_seconds: float = Field(30.0, gt=0)
-    """An engine whose /health_generate does not answer within this (checked after every step)
-    is killed and restarted."""
-    loop: Literal["sync", "one_step_off", "fully_async"] = "sync"
-    """Rollout schedule: sync (generate, then train), one_step_off (generate step k+1 while
-    step k trains), fully_async (a persistent producer with a bounded buffer)."""
-    max_weight_staleness: int = Field(1, ge=0)
-    """fully_async: batches generated more than this many weight versions ago are stale."""
-    stale_policy: Literal["drop", "retry"] = "drop"
-    """fully_async: a stale batch is dropped (the next one is used) or regenerated at once."""
-    async_buffer_batches: int = Field(1, ge=1)
-    """fully_async: batches the producer may generate ahead of the trainer."""
-    verify_weight_sync: bool = False
-    """After each sync, compare a sha256 of engine and trainer weights (slow on big models)."""
-    cpus_per_engine: float = Field(1.0, gt=0)
-    """Ray CPUs reserved per engine actor."""
-    gpus_per_engine: float = Field(0.0, ge=0)
-    """Ray GPUs reserved per engine actor (0 on CPU machines)."""
-
-
 class MegatronConfig(Section):
     """Megatron-LM layout and memory options (used when training.backend is megatron)."""
 
@@ -179,10 +131,10 @@ class MegatronConfig(Section):
     (`return_routed_experts`) and the trainer's forward passes (old/reference log-probs and the
     update) use exactly those experts instead of recomputing top-k, so that train and rollout
     log-probs agree. Only for MoE models (the trainer refuses a dense one); SGLang engines also
-    need rollout.server_args.enable_return_routed_experts: true."""
+    need rollout.engine.server_args.enable_return_routed_experts: true."""
 
     @model_validator(mode="after")
-    def _implemented_layouts(self) -> "MegatronConfig":
+    def _implemented_layouts(self) -> MegatronConfig:
         if self.pipeline_parallel_size != 1:
             raise ValueError("pipeline parallelism is not implemented yet: set "
                              "training.megatron.pipeline_parallel_size=1")
@@ -234,7 +186,7 @@ class TrainingConfig(Section):
         return self.megatron.model_parallel_size if self.backend == "megatron" else 1
 
     @model_validator(mode="after")
-    def _one_gpu_per_rank(self) -> "TrainingConfig":
+    def _one_gpu_per_rank(self) -> TrainingConfig:
         ranks = self.world_size
         if ranks > 1 and self.gpus_per_trainer not in (0, ranks):
             # Each rank is its own process on its own device; NCCL cannot put two ranks on one GPU,
@@ -316,7 +268,7 @@ class EvalDatasetConfig(Section):
     """Generation budget; None uses eval.max_new_tokens."""
 
     @model_validator(mode="after")
-    def _greedy_is_single(self) -> "EvalDatasetConfig":
+    def _greedy_is_single(self) -> EvalDatasetConfig:
         if self.temperature == 0 and self.num_samples_per_prompt != 1:
             raise ValueError("greedy (temperature=0) gives one response per prompt: set num_samples_per_prompt=1 "
                              "or temperature>0")
@@ -365,6 +317,9 @@ class TrackingConfig(Section):
     system_metrics_interval_seconds: float = Field(10.0, ge=0)
     """Sample MLflow system metrics (CPU, memory, disk, network, GPU) into the run every this
     many seconds while training runs; 0 turns them off."""
+    log_interval_steps: int = Field(10, ge=1)
+    """Write a progress line (step, reward, latest eval, step time) to the log every this many
+    steps, and at the last step: a log file has no progress bar."""
 
 
 class StorageConfig(Section):
@@ -420,25 +375,37 @@ class RunConfig(Section):
     """Local work directory and the object store."""
 
     @model_validator(mode="after")
-    def _cross_field(self) -> "RunConfig":
+    def _sections_fit(self) -> RunConfig:
+        """Checks that span sections, one per concern."""
+        self._groups_fit()
+        self._off_policy_fits()
+        self._engines_fit()
+        self._routing_replay_fits()
+        self._teacher_fits()
+        return self
+
+    def _groups_fit(self) -> None:
         if self.algorithm.name in GROUP_ALGORITHMS and self.rollout.num_samples_per_prompt < 2:
             raise ValueError(f"{self.algorithm.name} compares samples within a group: set "
                              "rollout.num_samples_per_prompt >= 2")
-        if (self.rollout.loop != "sync" and self.algorithm.name != "sft" and self.algorithm.correction.kind == "none"
-                and self.algorithm.old_logprob_source == "trainer"):
-            raise ValueError(f"rollout.loop={self.rollout.loop} trains on off-policy samples: set "
+
+    def _off_policy_fits(self) -> None:
+        a = self.algorithm
+        if (self.rollout.loop.kind != "sync" and a.name != "sft" and a.correction.kind == "none"
+                and a.old_logprob_source == "trainer"):
+            raise ValueError(f"rollout.loop={self.rollout.loop.kind} trains on off-policy samples: set "
                              "algorithm.correction.kind=tis (or icepop/mis) or algorithm.old_logprob_source=rollout")
-        if self.rollout.engine == "sglang" and self.rollout.weight_transport == "object_store":
+
+    def _engines_fit(self) -> None:
+        r = self.rollout
+        if r.engine.kind == "sglang" and r.weight_transport.kind == "object_store":
             raise ValueError("SGLang engines run in their own process: set rollout.weight_transport=broadcast "
                              "(or disk)")
-        self._routing_replay_fits()
-        self._teacher_fits()
-        if self.rollout.engine == "sglang" and self.rollout.gpus_per_engine == 0:
+        if r.engine.kind == "sglang" and r.gpus_per_engine == 0:
             raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1")
-        if self.training.backend == "megatron" and self.rollout.weight_transport == "broadcast":
+        if self.training.backend == "megatron" and r.weight_transport.kind == "broadcast":
             raise ValueError("the Megatron trainer has no broadcast sender yet: set rollout.weight_transport=disk "
                              "(a filesystem trainer and engines share) or object_store (embedded engines)")
-        return self
 
     def _teacher_fits(self) -> None:
         source = self.algorithm.teacher_source
@@ -460,9 +427,9 @@ class RunConfig(Section):
         if self.model.source.startswith("builtin:"):
             raise ValueError(f"training.megatron.routing_replay needs an MoE model, but {self.model.source} is dense: "
                              "set training.megatron.routing_replay=false (or model.source to a Qwen3-MoE model)")
-        if self.rollout.engine == "sglang" and not self.rollout.server_args.get("enable_return_routed_experts"):
+        if self.rollout.engine.kind == "sglang" and not self.rollout.engine.server_args.get("enable_return_routed_experts"):
             raise ValueError("training.megatron.routing_replay needs the routed experts from SGLang: set "
-                             "rollout.server_args.enable_return_routed_experts=true")
+                             "rollout.engine.server_args.enable_return_routed_experts=true")
 
     @property
     def routing_replay(self) -> bool:

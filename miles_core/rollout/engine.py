@@ -8,21 +8,12 @@ engine-agnostic.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from miles_core.weights import fused_layout, weights_sha256
-
-
-class RolloutEngine(Protocol):
-    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
-                 return_logprob: bool = True, seed: int | None = None) -> list[dict[str, Any]]: ...
-
-    def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict: ...
-
-    def get_weight_version(self) -> str: ...
+from miles_core.weight_layout import fused_layout, weights_sha256
 
 
 class EmbeddedEngine:
@@ -44,11 +35,8 @@ class EmbeddedEngine:
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_id = self.tokenizer.eos_token_id
 
-    def get_weight_version(self) -> str:
-        return self.weight_version
-
     def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:
-        """HF-named weights in either MoE expert layout (see miles_core.weights)."""
+        """HF-named weights in either MoE expert layout (see miles_core.weight_layout)."""
         if any(name.endswith("mlp.experts.gate_up_proj") for name, _ in self.model.named_parameters()):
             named_tensors = fused_layout(named_tensors)
         missing, unexpected = self.model.load_state_dict(named_tensors, strict=False)
@@ -187,7 +175,8 @@ class EmbeddedEngine:
         ids = tokens.tolist()
         stop_at = next((i for i, t in enumerate(ids) if t == self.eos_id), None)
         ids = ids[: stop_at + 1] if stop_at is not None else ids[:max_new]
-        finish = {"type": "stop", "matched": self.eos_id} if stop_at is not None else {"type": "length", "length": max_new}
+        stopped = stop_at is not None
+        finish = {"type": "stop", "matched": self.eos_id} if stopped else {"type": "length", "length": max_new}
         meta = {
             "finish_reason": finish,
             "prompt_tokens": prompt_len,

@@ -10,54 +10,55 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ray
 
 from miles_core.config import RunConfig
+from miles_core.config.rollout import EngineConfig
+from miles_core.rollout.interface import RolloutEngine
 from miles_core.rollout.router import Router
-from miles_core.rollout.sglang_client import SGLangClient
+from miles_core.rollout.sglang_client import SGLangClient, SGLangLauncher
 
 log = logging.getLogger(__name__)
 
 
+def launch_engine(engine: EngineConfig, model_dir: str, host: str, dtype: str, num_threads: int) -> RolloutEngine:
+    """Start the configured engine (`rollout.engine`) on `host` (a free port) and return once it
+    serves: the embedded engine in this process, or SGLang as a child process (GPU clusters)."""
+    if engine.kind == "sglang":
+        launcher = SGLangLauncher(model_dir, {"dtype": dtype, **engine.server_args}, host=host)
+        launcher.start()
+        return launcher
+    from miles_core.rollout.http_server import serve  # torch and transformers: engine processes only
+
+    return serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads)
+
+
 class EngineActor:
-    """Hosts one engine's HTTP server in a Ray worker: the embedded engine in-process, or
-    SGLang launched as a child process (`python -m sglang.launch_server`, GPU clusters)."""
+    """Hosts one rollout engine in a Ray worker; callers reach it over HTTP at `url()`, and
+    through this actor for what HTTP does not carry (see interface.py)."""
 
-    def __init__(self, model_dir: str, dtype: str, num_threads: int, bind_host: str, engine: str = "embedded",
-                 server_args: dict | None = None):
+    def __init__(self, model_dir: str, dtype: str, num_threads: int, bind_host: str, engine: EngineConfig):
         host = ray.util.get_node_ip_address() if bind_host == "node_ip" else "127.0.0.1"
-        self.handle = self.launcher = None
-        if engine == "sglang":
-            from miles_core.rollout.sglang_client import SGLangLauncher
-
-            self.launcher = SGLangLauncher(model_dir, {"dtype": dtype, **(server_args or {})}, host=host)
-            self.launcher.start()
-        else:
-            from miles_core.rollout.http_server import serve
-
-            self.handle = serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads)
+        self.engine = launch_engine(engine, model_dir, host, dtype, num_threads)
 
     def url(self) -> str:
-        return self.launcher.url if self.launcher else self.handle.url
+        return self.engine.url
 
     def __ray_shutdown__(self) -> None:
-        if self.launcher is not None:
-            self.launcher.stop()
+        self.engine.stop()
 
     def pid(self) -> int:
         return os.getpid()
 
     def update_weights_from_tensors(self, named_tensors: dict, weight_version: str) -> dict:
-        """Same-node path: tensors arrive through Ray's object store, loaded under the engine
-        lock so a generation in progress finishes on the old weights."""
-        service = self.handle.service
-        with service.lock:
-            return service.load_tensors(named_tensors, weight_version)
+        """Same-node path: tensors arrive through Ray's object store."""
+        return self.engine.update_weights_from_tensors(named_tensors, weight_version)
 
     def weights_sha256(self) -> str:
-        return self.handle.service.weights_sha256()
+        return self.engine.weights_sha256()
 
 
 class EngineGroup:
@@ -72,12 +73,11 @@ class EngineGroup:
         client_kwargs = {"timeout_seconds": cfg.rollout.request_timeout_seconds}
         self.router = Router([SGLangClient(u, **client_kwargs) for u in self.urls],
                              health_timeout=cfg.rollout.health_timeout_seconds)
-        self.restarts = 0
 
     def _start(self, rank: int):
         r = self.cfg.rollout
         return self.actor_cls.options(name=None, **self.scheduling(rank)).remote(
-            self.model_dir, self.cfg.model.dtype, self.cfg.training.num_threads, r.bind_host, r.engine, r.server_args)
+            self.model_dir, self.cfg.model.dtype, self.cfg.training.num_threads, r.bind_host, r.engine)
 
     def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any], **extra: Any) -> list[dict]:
         """extra: further /generate request fields, e.g. return_routed_experts=True."""
@@ -104,9 +104,8 @@ class EngineGroup:
             ray.kill(self.actors[rank], no_restart=True)
             self.actors[rank] = self._start(rank)
             self.urls[rank] = ray.get(self.actors[rank].url.remote())
-            self.router.slots[rank].client = SGLangClient(self.urls[rank],
-                                                          timeout_seconds=self.cfg.rollout.request_timeout_seconds)
-            self.restarts += 1
+            self.router.replace_client(rank, SGLangClient(self.urls[rank],
+                                                          timeout_seconds=self.cfg.rollout.request_timeout_seconds))
         if replaced:
             self.wait_all_healthy()
             self.router.check_health()  # re-admits the new engines

@@ -1,4 +1,4 @@
-"""The embedded engine behind SGLang's native HTTP API (the subset in shared/sglang-api.md).
+"""The embedded engine behind SGLang's native HTTP API (the subset an RL trainer uses).
 
 It lets CPU CI run the exact HTTP path a GPU cluster runs against `sglang.launch_server`:
 the same client, launcher, router and weight-update calls. Launch it like SGLang:
@@ -32,9 +32,10 @@ from safetensors.torch import load_file
 from starlette.concurrency import run_in_threadpool
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from miles_core.net import init_custom_process_group
 from miles_core.rollout.engine import EmbeddedEngine
-from miles_core.rollout.sglang_client import KNOWN_SERVER_ARGS, init_custom_process_group
-from miles_core.weights import checkpoint_layout
+from miles_core.rollout.sglang_client import KNOWN_SERVER_ARGS
+from miles_core.weight_layout import checkpoint_layout
 
 logger = logging.getLogger(__name__)
 SERVER_VERSION = "miles-embedded-1"
@@ -58,7 +59,7 @@ class _Request:
 class _AbortCriteria(StoppingCriteria):
     """Checked by transformers after every decode step: ends the running batch on abort."""
 
-    def __init__(self, service: "EngineService"):
+    def __init__(self, service: EngineService):
         self.service = service
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -457,7 +458,8 @@ def _add_weight_routes(app: FastAPI, service: EngineService) -> None:
 
 
 class ServerHandle:
-    """A running server: `.url`, `.engine`, `.wait_ready()`, `.stop()`."""
+    """A running server (a RolloutEngine, see interface.py): `.url`, `.engine`,
+    `.wait_ready()`, `.stop()`."""
 
     def __init__(self, service: EngineService, server: uvicorn.Server, thread: threading.Thread,
                  host: str, port: int):
@@ -478,12 +480,21 @@ class ServerHandle:
         if self.service.load_error is not None:
             raise RuntimeError(f"model failed to load: {self.service.load_error}")
 
+    def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:
+        """In-process tensors (the object-store transport), loaded under the engine lock so that
+        a generation in progress finishes on the old weights."""
+        with self.service.lock:
+            return self.service.load_tensors(named_tensors, weight_version)
+
+    def weights_sha256(self) -> str:
+        return self.service.weights_sha256()
+
     def stop(self, timeout: float = 10.0) -> None:
         self.service.abort()  # so a running batch ends and the graceful shutdown is quick
         self._server.should_exit = True
         self._thread.join(timeout)
 
-    def __enter__(self) -> "ServerHandle":
+    def __enter__(self) -> ServerHandle:
         return self
 
     def __exit__(self, *exc: Any) -> None:

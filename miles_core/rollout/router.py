@@ -1,15 +1,13 @@
 """Spread /generate over several engines: least in-flight first, fail over on dead engines.
 
-A small in-process router for the trainer's rollout workers. On a GPU cluster the Rust
-`sglang_router` does the same job with cache-aware routing; see `sglang_router_command`.
+A small in-process router for the trainer's rollout workers, the same for embedded and
+SGLang engines: it only speaks SGLang's HTTP API, through one SGLangClient per engine.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import logging
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -56,11 +54,6 @@ class Router:
         self._health_thread: threading.Thread | None = None
         if health_check_interval:
             self.start_health_checks(health_check_interval)
-
-    @classmethod
-    def from_urls(cls, urls: list[str], **kwargs: Any) -> "Router":
-        client_kwargs = kwargs.pop("client_kwargs", {})
-        return cls([SGLangClient(u, **client_kwargs) for u in urls], **kwargs)
 
     # ---- routing ---------------------------------------------------------------------------
 
@@ -150,13 +143,14 @@ class Router:
             self._health_thread.join(timeout=10)
             self._health_thread = None
 
-    # ---- fan-out and introspection ---------------------------------------------------------
+    # ---- engines and introspection ---------------------------------------------------------
 
-    def for_each(self, method: str, *args: Any, healthy_only: bool = True, **kwargs: Any) -> dict[str, Any]:
-        """Call a client method (pause, resume, update_weights_from_disk, ...) on every engine,
-        in order; raises the first failure, because a partial weight update must not go unseen."""
-        return {s.url: getattr(s.client, method)(*args, **kwargs)
-                for s in self.slots if s.healthy or not healthy_only}
+    def replace_client(self, index: int, client: SGLangClient) -> None:
+        """Point engine `index` at a new server (a restarted engine), out of rotation until
+        check_health() finds it answering."""
+        with self._lock:
+            slot = self.slots[index]
+            slot.client, slot.healthy = client, False
 
     def stats(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -168,22 +162,8 @@ class Router:
         with self._lock:
             return [s.url for s in self.slots if s.healthy]
 
-    def __enter__(self) -> "Router":
+    def __enter__(self) -> Router:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def sglang_router_available() -> bool:
-    """Whether the Rust router (`pip install sglang-router`) is importable here."""
-    return importlib.util.find_spec("sglang_router") is not None
-
-
-def sglang_router_command(worker_urls: list[str], host: str = "127.0.0.1", port: int = 30000,
-                          policy: str = "cache_aware", python: str = sys.executable) -> list[str]:
-    """Command line for SGLang's router in front of `worker_urls`: prefer it on GPU clusters
-    (cache-aware routing keeps shared prompt prefixes on one engine's radix cache). Engines can
-    be added later with `POST /workers {"url": ...}`. Start it with SGLangLauncher-like care."""
-    return [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-            "--policy", policy, "--worker-urls", *worker_urls]

@@ -11,18 +11,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import requests
 
 from miles_core.errors import InfrastructureError
+from miles_core.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -233,31 +232,6 @@ class SGLangClient:
                                                             "abort_all_requests": abort_all_requests})
 
 
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int,
-                              group_name: str, timeout: timedelta = timedelta(minutes=10)):
-    """A process group outside torch's default one, the way SGLang's engine builds its weight
-    update group, so a trainer (rank 0) and the engines (rank_offset..) meet on one TCPStore."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper,
-                                                    _world, rendezvous)
-
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
-                                         group_name=group_name, timeout=timeout)
-    # Group rank == global rank inside this group, so broadcast(src=0, group=...) works
-    # whether or not a default process group exists in this process.
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (another process could take it before the server binds it)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def _error_text(resp: requests.Response) -> str:
     return f"HTTP {resp.status_code}: {resp.text[:500]}"
 
@@ -289,7 +263,9 @@ def server_arg_flags(server_args: dict[str, Any]) -> list[str]:
 class SGLangLauncher:
     """Starts `python -m <module> --model-path ... --host ... --port ...` in its own session
     (so stop() can end the server and every child it spawned) and waits until it is healthy.
-    `module` defaults to SGLang; tests pass `miles_core.rollout.http_server`."""
+    `module` defaults to SGLang; tests pass `miles_core.rollout.http_server`.
+
+    A RolloutEngine (see interface.py) whose weights only move over HTTP."""
 
     def __init__(self, model_path: str | Path, server_args: dict[str, Any] | None = None,
                  host: str = "127.0.0.1", port: int | None = None, module: str = "sglang.launch_server",
@@ -351,11 +327,13 @@ class SGLangLauncher:
         _signal_group(proc.pid, signal.SIGKILL)
         proc.wait(timeout=timeout)
 
-    def __enter__(self) -> SGLangClient:
-        return self.start()
+    def update_weights_from_tensors(self, named_tensors: dict, weight_version: str) -> dict:
+        raise NotImplementedError("an SGLang engine runs in its own process: its weights move over HTTP "
+                                  "(rollout.weight_transport=broadcast or disk)")
 
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def weights_sha256(self) -> str:
+        raise NotImplementedError("SGLang has no endpoint for a digest of its weights: "
+                                  "rollout.verify_weight_sync needs embedded engines")
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,11 @@ from miles_core import algorithms as algo
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.data import Sample
+from miles_core.net import free_port, init_custom_process_group, rendezvous_endpoint
 from miles_core.training import state_io
-from miles_core.weights import weights_sha256
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+from miles_core.training.batches import pad_batch, select_rows
+from miles_core.training.logprobs import next_token_logprobs
+from miles_core.weight_layout import weights_sha256
 
 
 def ensure_process_group() -> bool:
@@ -36,31 +33,8 @@ def ensure_process_group() -> bool:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return True
-
-
-def pad_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded tokens plus per-position tensors aligned with next-token targets.
-
-    Position t of the [B, L-1] tensors is the prediction of token t+1; the mask is 1 where
-    that token is a generated response token.
-    """
-    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    tokens = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(samples), width - 1)
-    rollout_logp = torch.zeros(len(samples), width - 1)
-    for row, s in enumerate(samples):
-        seq = s.prompt_ids + s.response_ids
-        tokens[row, : len(seq)] = torch.tensor(seq)
-        start, end = len(s.prompt_ids) - 1, len(seq) - 1
-        mask[row, start:end] = torch.tensor(s.loss_mask, dtype=mask.dtype) if s.loss_mask else 1.0
-        if s.rollout_logprobs:
-            rollout_logp[row, start:end] = torch.tensor(s.rollout_logprobs)
-    attention = (torch.arange(width)[None, :] < torch.tensor(
-        [len(s.prompt_ids) + len(s.response_ids) for s in samples])[:, None]).long()
-    return {"tokens": tokens, "attention": attention, "mask": mask, "rollout_logp": rollout_logp,
-            "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32)}
 
 
 def _shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -86,17 +60,12 @@ def causal_lm_logprobs(model, tokens: torch.Tensor, attention: torch.Tensor | No
     """log p(tokens[:, t+1] | ..t) [B, L-1] (and entropy, or None) of an HF causal LM.
 
     The logits stay in the model's dtype: one fused pass reduces them to per-token log-sum-exp
-    (miles_core.training.megatron.logprobs.token_logprobs, world size 1; torch.compile'd on CUDA)
-    instead of log_softmax over an fp32 copy. The same numbers as log_softmax(logits / T).
+    (miles_core.training.logprobs, no vocab split; torch.compile'd on CUDA) instead of
+    log_softmax over an fp32 copy. The same numbers as log_softmax(logits / T).
     """
-    from miles_core.training.megatron.logprobs import token_logprobs
-
     mask = None if _right_padded(attention) else attention
     logits = model(input_ids=tokens, attention_mask=mask, use_cache=False).logits
-    # all L positions (slicing off the last would copy the logits); the last gets a dummy target
-    targets = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
-    logp, entropy = token_logprobs(logits, targets, temperature, logits.shape[-1], with_entropy)
-    return logp[:, :-1], (entropy[:, :-1] if entropy is not None else None)
+    return next_token_logprobs(logits, tokens, temperature, logits.shape[-1], with_entropy)
 
 
 def compile_decoder_layers(model: torch.nn.Module, layers=None) -> int:
@@ -114,10 +83,6 @@ def compile_decoder_layers(model: torch.nn.Module, layers=None) -> int:
 def _compile_requested() -> bool:
     """MILES_TORCH_COMPILE=1: compiled decoder layers (GPU only)."""
     return os.environ.get("MILES_TORCH_COMPILE", "0") == "1" and torch.cuda.is_available()
-
-
-def _select(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
-    return {k: v[rows] for k, v in batch.items()}
 
 
 class FSDPTrainer:
@@ -189,8 +154,9 @@ class FSDPTrainer:
             scorers["teacher_logp"] = lambda mb: self._token_logprobs(self.teacher, mb)[0]
         if self.critic is not None:
             scorers["old_values"] = self._values
+        slices = self._row_slices(len(batch["tokens"]))
         for key, scorer in scorers.items():
-            batch[key] = torch.cat([scorer(_select(batch, rows)) for rows in self._row_slices(len(batch["tokens"]))])
+            batch[key] = torch.cat([scorer(select_rows(batch, rows)) for rows in slices])
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
@@ -215,12 +181,13 @@ class FSDPTrainer:
         chunk = -(-len(samples) // num_updates)
         metrics: dict[str, float] = {}
         for start in range(0, len(samples), chunk):
-            metrics |= self._update(_select(batch, slice(start, start + chunk)))
+            metrics |= self._update(select_rows(batch, slice(start, start + chunk)))
         if lazy_old:
             batch["old_logp"] = torch.cat(self._update_logp)
         metrics |= self._batch_metrics(batch)
         self.step += 1
-        if cfg.ref_refresh_interval_steps and self.reference is not None and self.step % cfg.ref_refresh_interval_steps == 0:
+        refresh = cfg.ref_refresh_interval_steps
+        if refresh and self.reference is not None and self.step % refresh == 0:
             self.reference.load_state_dict(self._full_weights(), strict=False)
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
@@ -243,7 +210,7 @@ class FSDPTrainer:
             self.critic_optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for rows in self._row_slices(len(batch["tokens"])):
-            mb = _select(batch, rows)
+            mb = select_rows(batch, rows)
             loss, parts = self._loss(mb, totals) if train_policy else (torch.zeros(()), {})
             if self.critic is not None:
                 value_loss = algo.value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["mask"],
@@ -280,7 +247,7 @@ class FSDPTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for rows in self._row_slices(len(samples)):
-            mb = _select(batch, rows)
+            mb = select_rows(batch, rows)
             logp, _ = self._token_logprobs(self.model, mb)
             loss = algo.sft_loss(logp, mb["mask"], num_tokens=num_tokens)
             loss.backward()
@@ -309,13 +276,9 @@ class FSDPTrainer:
         return "nccl" if torch.cuda.is_available() else "gloo"
 
     def weight_broadcast_endpoint(self) -> tuple[str, int]:
-        import ray
-
-        return ray.util.get_node_ip_address(), _free_port()
+        return rendezvous_endpoint()
 
     def open_weight_broadcast(self, address: str, port: int, world_size: int, group_name: str) -> None:
-        from miles_core.rollout.sglang_client import init_custom_process_group
-
         self.broadcast_group = init_custom_process_group(self.broadcast_backend(), f"tcp://{address}:{port}",
                                                          world_size, 0, group_name)
 
@@ -367,7 +330,8 @@ class FSDPTrainer:
         meta = json.loads((ckpt_dir / "trainer_state.json").read_text())
         modules = meta.pop("modules")
         for name, model, optimizer, scheduler in self._modules():
-            state_io.load_module(ckpt_dir, name, model, optimizer, scheduler, modules[name], self.tied and name == "policy")
+            state_io.load_module(ckpt_dir, name, model, optimizer, scheduler, modules[name],
+                                 self.tied and name == "policy")
         if (ckpt_dir / "reference.safetensors").is_file() and self.reference is not None:
             self.reference.load_state_dict(load_file(str(ckpt_dir / "reference.safetensors")))
         state_io.set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), meta.pop("python_rng"))

@@ -60,10 +60,9 @@ def drive(work: str, out_json: str) -> None:
     def convert_again() -> dict:
         from miles_core.config import load_config
 
-        config = load_config(RECIPE, overrides).model_dump(mode="json")
-        data = prepare_data(config=config)
-        policy = sft_warmup(config=config, model=prepare_model(config=config), data=data)  # cached
-        return convert_checkpoint(config=config, model=policy)
+        cfg = load_config(RECIPE, overrides)
+        policy = sft_warmup(cfg, prepare_model(cfg), prepare_data(cfg))  # cached
+        return convert_checkpoint(cfg, policy).model_dump()
 
     refreshed = convert_again()
     Path(out_json).write_text(json.dumps({"first": first, "second": second, "reused": reused,
@@ -113,6 +112,6 @@ def test_deleted_conversion_is_refreshed(runs):
     work, result, output = runs
     refreshed = result["refreshed"]
     megatron_dir = Path(refreshed["megatron_dir"])
-    assert refreshed["converted"] and refreshed["model_dir"] != refreshed["megatron_dir"]
+    assert refreshed["megatron_dir"] is not None and refreshed["model_dir"] != refreshed["megatron_dir"]
     assert (megatron_dir / "MANIFEST.json").is_file() and (megatron_dir / "torch_dist").is_dir()
     assert "converted " in _section(output, "refresh")

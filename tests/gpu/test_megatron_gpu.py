@@ -52,8 +52,13 @@ def test_logits_match_hf_on_gpu(tiny):
     from transformers import AutoModelForCausalLM
 
     from miles_core.training.megatron import mapping
-    from miles_core.training.megatron.model import build_gpt_model, forward_logits, init_parallel, model_shape, \
-        shutdown_parallel
+    from miles_core.training.megatron.model import (
+        build_gpt_model,
+        forward_logits,
+        init_parallel,
+        model_shape,
+        shutdown_parallel,
+    )
 
     created = init_parallel(1)
     try:
@@ -97,7 +102,7 @@ def test_trainer_learns_and_resumes_on_gpu(tiny, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_logprobs_match_eager_on_gpu(dtype, monkeypatch):
     """The torch.compile'd fused log-prob (CUDA) against the eager chunked path: values and grads."""
-    from miles_core.training.megatron.logprobs import token_logprobs
+    from miles_core.training.logprobs import token_logprobs
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(3, 37, 640, device="cuda", generator=gen).to(dtype).requires_grad_()

@@ -2,17 +2,16 @@
 
 import statistics
 
-import yaml
-
 import pytest
 import ray
+import yaml
 from transformers import AutoTokenizer
 
 from miles_core.config import build_config
 from miles_core.data import read_prompts
+from miles_core.driver import TrainSpec, run_training
 from miles_core.evaluation import evaluate_greedy
 from miles_core.rollout.engine import EmbeddedEngine
-from miles_core.train import TrainSpec, run_training
 from tests.conftest import REPO
 
 # A third of the recipe's 200 steps: GRPO measured +0.12 to +0.37 at step 60 over seeds 0-4.
@@ -50,8 +49,8 @@ def run(warm, name, overrides, model_dir, steps=RL_STEPS, teacher_dir=None, run_
     cfg = build_config(yaml.safe_load(open(REPO / "configs/local.yaml")),
                        [f"algorithm.name={name}", f"training.num_steps={steps}", "checkpoint.interval_steps=1000",
                         *overrides])
-    spec = TrainSpec(cfg.model_dump(mode="json"), str(model_dir), str(warm["train"]),
-                     str(warm["root"] / f"run-{run_name or name}"), teacher_dir=teacher_dir and str(teacher_dir))
+    spec = TrainSpec(config=cfg, model_dir=str(model_dir), train_path=str(warm["train"]),
+                     run_dir=str(warm["root"] / f"run-{run_name or name}"), teacher_dir=teacher_dir and str(teacher_dir))
     return run_training(spec)
 
 

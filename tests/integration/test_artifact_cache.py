@@ -17,6 +17,7 @@ CHILD = r"""
 import json, shutil, sys
 from pathlib import Path
 from prefect import flow
+from miles_core.config import RunConfig
 from tasks.artifacts import prepare_data
 
 work_a, work_b, store = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -24,12 +25,13 @@ work_a, work_b, store = sys.argv[1], sys.argv[2], sys.argv[3]
 @flow(name="artifact-cache-test")
 def check() -> dict:
     def data(work):
-        return prepare_data(config={"storage": {"work_dir": work, "object_store_uri": store}})
+        return prepare_data(RunConfig.model_validate({"storage": {"work_dir": work, "object_store_uri": store}}))
     first_a, first_b = data(work_a), data(work_b)
     again_a = data(work_a)
-    Path(again_a["train_path"]).unlink()
+    Path(again_a.train_path).unlink()
     rebuilt_a = data(work_a)
-    return {"first_a": first_a, "first_b": first_b, "again_a": again_a, "rebuilt_a": rebuilt_a}
+    return {"first_a": first_a.model_dump(), "first_b": first_b.model_dump(), "again_a": again_a.model_dump(),
+            "rebuilt_a": rebuilt_a.model_dump()}
 
 print("RESULT " + json.dumps(check()))
 """
@@ -65,7 +67,7 @@ def test_each_work_dir_gets_its_own_artifacts_and_deleted_files_are_rebuilt(tmp_
 
 
 def test_local_environment_refuses_a_prefect_imported_with_other_settings(tmp_path):
-    code = "import prefect; from flows.cli import local_environment; local_environment(%r)" % str(tmp_path)
+    code = f"import prefect; from flows.cli import local_environment; local_environment({str(tmp_path)!r})"
     env = _child_env(tmp_path / "unused")
     env.pop("PREFECT_HOME")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "HOME": str(tmp_path)},

@@ -5,7 +5,7 @@ import ray
 
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
-from miles_core.train import TrainSpec, run_training
+from miles_core.driver import TrainSpec, run_training
 
 NUM_STEPS = 6
 
@@ -22,7 +22,8 @@ def spec(tmp_path, tiny_model_dir, *overrides):
     cfg = build_config({}, [f"training.num_steps={NUM_STEPS}", "checkpoint.interval_steps=3",
                             "rollout.num_prompts_per_step=8", "rollout.num_samples_per_prompt=4",
                             "training.num_threads=1", "rollout.cpus_per_engine=0.5", *overrides])
-    return TrainSpec(cfg.model_dump(mode="json"), str(tiny_model_dir), str(train), str(tmp_path / "run"))
+    return TrainSpec(config=cfg, model_dir=str(tiny_model_dir), train_path=str(train),
+                     run_dir=str(tmp_path / "run"))
 
 
 def test_one_step_off_is_exactly_one_version_behind(ray_local, tmp_path, tiny_model_dir):
@@ -34,8 +35,8 @@ def test_one_step_off_is_exactly_one_version_behind(ray_local, tmp_path, tiny_mo
 
 
 def test_fully_async_respects_the_staleness_bound(ray_local, tmp_path, tiny_model_dir):
-    result = run_training(spec(tmp_path, tiny_model_dir, "rollout.loop=fully_async", "rollout.max_weight_staleness=1",
-                               "rollout.async_buffer_batches=2", "algorithm.old_logprob_source=rollout"))
+    result = run_training(spec(tmp_path, tiny_model_dir, "rollout.loop=fully_async", "rollout.loop.max_weight_staleness=1",
+                               "rollout.loop.buffer_batches=2", "algorithm.old_logprob_source=rollout"))
     staleness = [h["async/staleness"] for h in result.history]
     versions = [h["rollout/weight_version"] for h in result.history]
     assert result.steps == NUM_STEPS and max(staleness) <= 1

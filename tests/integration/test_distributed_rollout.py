@@ -4,17 +4,16 @@ sync verified equal; an engine SIGKILLed mid-rollout is restarted and the run co
 import os
 import signal
 import threading
-import time
 
 import pytest
-import torch
-from safetensors.torch import load_file
 import ray
+import torch
 from ray.cluster_utils import Cluster
+from safetensors.torch import load_file
 
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
-from miles_core.train import TrainSpec, run_training
+from miles_core.driver import TrainSpec, run_training
 
 NUM_STEPS = 6
 
@@ -39,7 +38,8 @@ def spec(tmp_path, tiny_model_dir, transport: str) -> TrainSpec:
         f"rollout.weight_transport={transport}", "rollout.verify_weight_sync=true",
         "rollout.request_timeout_seconds=30",
         "placement.trainer_resources={trainer_node: 1}", "placement.engine_resources={rollout_node: 1}"])
-    return TrainSpec(cfg.model_dump(mode="json"), str(tiny_model_dir), str(train), str(tmp_path / "run"))
+    return TrainSpec(config=cfg, model_dir=str(tiny_model_dir), train_path=str(train),
+                     run_dir=str(tmp_path / "run"))
 
 
 def actor_nodes(class_name: str) -> set[str]:

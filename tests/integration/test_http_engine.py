@@ -17,13 +17,13 @@ import torch
 from safetensors.torch import load_file
 
 from miles_core.config import TinyModelConfig
+from miles_core.net import free_port, init_custom_process_group
 from miles_core.rollout.engine import EmbeddedEngine
 from miles_core.rollout.http_server import parse_args, serve
 from miles_core.rollout.router import Router
-from miles_core.rollout.sglang_client import (EngineError, SGLangClient, SGLangLauncher, free_port,
-                                              init_custom_process_group)
+from miles_core.rollout.sglang_client import EngineError, SGLangClient, SGLangLauncher
 from miles_core.tiny import build_tiny_model
-from miles_core.weights import weights_sha256
+from miles_core.weight_layout import weights_sha256
 
 torch.set_num_threads(1)
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0}

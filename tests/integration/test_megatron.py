@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from miles_core.config import AlgorithmConfig, TinyModelConfig, TrainingConfig  # noqa: E402
-from miles_core.data import Sample  # noqa: E402
-from miles_core.tiny import build_tiny_model  # noqa: E402
-from miles_core.training.megatron import mapping  # noqa: E402
-from miles_core.training.megatron.model import model_shape  # noqa: E402
+from miles_core.config import AlgorithmConfig, TinyModelConfig, TrainingConfig
+from miles_core.data import Sample
+from miles_core.tiny import build_tiny_model
+from miles_core.training.megatron import mapping
+from miles_core.training.megatron.model import model_shape
 
 LOGIT_TOL = 1e-4
 RESUME_TOL = 1e-5
@@ -34,8 +34,14 @@ def _with_tokenizer(model, source: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, \
-        Qwen3MoeForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     root = tmp_path_factory.mktemp("megatron")
     qwen3 = build_tiny_model(TinyModelConfig(), root / "qwen3")
@@ -93,7 +99,8 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
     from miles_core.training.megatron.convert import convert_hf_to_torch_dist
 
-    GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    gpt2 = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, architectures=["GPT2LMHeadModel"])
+    gpt2.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported architectures: .*LlamaForCausalLM.*"
                                          "Qwen2ForCausalLM.*Qwen3ForCausalLM.*Qwen3MoeForCausalLM"):
         convert_hf_to_torch_dist(tmp_path, tmp_path / "out")
@@ -126,8 +133,7 @@ def test_fc1_shard_holds_gate_and_up_of_the_rank():
 
 # ---- TP=1 in this process ---------------------------------------------------------------------------
 def test_tp1_logits_match_hf_and_torch_dist_round_trip(models, tmp_path):
-    from miles_core.training.megatron.convert import convert_hf_to_torch_dist, export_torch_dist_to_hf, \
-        verify_manifest
+    from miles_core.training.megatron.convert import convert_hf_to_torch_dist, export_torch_dist_to_hf, verify_manifest
     from miles_core.training.megatron.model import build_gpt_model, forward_logits, init_parallel, shutdown_parallel
 
     created = init_parallel(1)
@@ -145,14 +151,15 @@ def test_tp1_logits_match_hf_and_torch_dist_round_trip(models, tmp_path):
         shutdown_parallel(created)
     manifest = convert_hf_to_torch_dist(models["qwen2"], tmp_path / "ckpt", tp=1)
     assert verify_manifest(tmp_path / "ckpt")["key"] == manifest["key"] and manifest["layout"] == {"tp": 1, "pp": 1}
-    assert convert_hf_to_torch_dist(models["qwen2"], tmp_path / "ckpt", tp=1)["created_unix"] == manifest["created_unix"]
+    again = convert_hf_to_torch_dist(models["qwen2"], tmp_path / "ckpt", tp=1)
+    assert again["created_unix"] == manifest["created_unix"]
     out = export_torch_dist_to_hf(tmp_path / "ckpt", models["qwen2"], tmp_path / "hf")
     original, exported = _disk_weights(models["qwen2"]), _disk_weights(out)
     assert set(original) == set(exported) and all(torch.equal(original[k], exported[k]) for k in original)
 
 
 def test_chunked_vocab_parallel_logprobs_match_log_softmax():
-    from miles_core.training.megatron.logprobs import token_logprobs
+    from miles_core.training.logprobs import token_logprobs
     from miles_core.training.megatron.model import init_parallel, shutdown_parallel
 
     created = init_parallel(1)
@@ -178,7 +185,7 @@ def test_chunked_vocab_parallel_logprobs_match_log_softmax():
 def test_trainer_learns_and_saves_at_tp1(models):
     from miles_core.training.fsdp import FSDPTrainer
     from miles_core.training.megatron.trainer import MegatronTrainer
-    from miles_core.weights import weights_sha256
+    from miles_core.weight_layout import weights_sha256
 
     training, algorithm = TrainingConfig(**TRAINING), AlgorithmConfig(name="grpo", entropy_coef=0.01)
     trainer = MegatronTrainer(str(models["qwen3"]), training, algorithm, group_size=2)
@@ -265,12 +272,12 @@ def test_old_logprob_source_and_corrections_mean_the_same_on_both_backends(model
 # ---- TP=2: two gloo processes --------------------------------------------------------------------------
 def _tp2_rank(rank: int, world_size: int, paths: dict[str, str]) -> dict:
     import torch.distributed as dist
+    from megatron.core import tensor_parallel
 
     from miles_core.training.megatron import mapping as mp
     from miles_core.training.megatron.convert import convert_hf_to_torch_dist
     from miles_core.training.megatron.model import build_gpt_model, forward_logits, init_parallel
     from miles_core.training.megatron.trainer import MegatronTrainer
-    from megatron.core import tensor_parallel
 
     torch.set_num_threads(1)
     init_parallel(2)
@@ -288,10 +295,11 @@ def _tp2_rank(rank: int, world_size: int, paths: dict[str, str]) -> dict:
         dist.all_gather_object(shards, {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")})
         back, disk = mp.megatron_ranks_to_hf(shards, shape), _disk_weights(Path(paths[name]))
         disk.pop("lm_head.weight", None) if shape.tied else None
-        result[f"{name}_shards_exact"] = set(back) == set(disk) and all(torch.equal(back[k], v) for k, v in disk.items())
+        result[f"{name}_shards_exact"] = (set(back) == set(disk)
+                                          and all(torch.equal(back[k], v) for k, v in disk.items()))
     convert_hf_to_torch_dist(paths["qwen2"], paths["tp2_ckpt"], tp=2)
-    trainer = MegatronTrainer(paths["qwen3"], TrainingConfig(**TRAINING), AlgorithmConfig(name="grpo", entropy_coef=0.01),
-                              group_size=2, megatron={"tp": 2})
+    trainer = MegatronTrainer(paths["qwen3"], TrainingConfig(**TRAINING),
+                              AlgorithmConfig(name="grpo", entropy_coef=0.01), group_size=2, megatron={"tp": 2})
     extra = trainer.load_state(paths["tp1_state"])
     fixed = _samples(seed=7)
     result.update(extra=extra, logp_before=trainer.compute_logprobs(fixed), sft_loss=trainer.sft_step(fixed),

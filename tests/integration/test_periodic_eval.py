@@ -7,8 +7,8 @@ from safetensors.torch import load_file
 
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
+from miles_core.driver import TrainSpec, run_training
 from miles_core.evaluation import evaluate_all
-from miles_core.train import TrainSpec, run_training
 
 KEY = "eval/periodic/heldout/pass_at_1"
 
@@ -27,7 +27,7 @@ def run(tmp_path, tiny_model_dir, name, overrides):
                             "training.num_threads=1", *overrides])
     events = []
     result = run_training(
-        TrainSpec(cfg.model_dump(mode="json"), str(tiny_model_dir), str(train), str(tmp_path / name),
+        TrainSpec(config=cfg, model_dir=str(tiny_model_dir), train_path=str(train), run_dir=str(tmp_path / name),
                   eval_path=str(heldout)),
         on_metrics=lambda step, m: events.extend(("eval", step) for k in m if k == KEY),
         on_checkpoint=lambda step: events.append(("checkpoint", step)))
@@ -63,6 +63,6 @@ def test_no_eval_path_means_no_periodic_eval(ray_local, tmp_path, tiny_model_dir
     train, _ = write_arithmetic_task(build_config({}).data.builtin, tmp_path / "data")
     cfg = build_config({}, ["training.num_steps=2", "eval.interval_steps=1", "rollout.num_prompts_per_step=4",
                             "rollout.num_samples_per_prompt=2", "training.num_threads=1"])
-    result = run_training(TrainSpec(cfg.model_dump(mode="json"), str(tiny_model_dir), str(train),
-                                    str(tmp_path / "run")))
+    result = run_training(TrainSpec(config=cfg, model_dir=str(tiny_model_dir), train_path=str(train),
+                                    run_dir=str(tmp_path / "run")))
     assert result.steps == 2 and result.periodic_eval == []

@@ -13,19 +13,19 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
-from prefect import flow  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from prefect import flow
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tasks.promote  # noqa: E402
-from miles_core import registry, tracking  # noqa: E402
-from miles_core.config import RunConfig, build_config  # noqa: E402
-from miles_core.data import read_prompts  # noqa: E402
-from miles_core.evaluation import evaluate_greedy  # noqa: E402
-from tasks.promote import PromotionRolledBack, promote  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
+import tasks.promote
+from miles_core import registry, tracking
+from miles_core.config import RunConfig
+from miles_core.data import read_prompts
+from miles_core.evaluation import evaluate_greedy
+from tasks.promote import PromotionRolledBack, promote
+from tests.conftest import REPO
 
 
 def empty_response(response: str, label: str) -> float:
@@ -38,11 +38,10 @@ def empty_response(response: str, label: str) -> float:
 def quick_prefect():
     """Flow-run heartbeats (crash detection for deployments) make every flow run wait ~1 s on
     exit for the heartbeat thread; none is needed here."""
-    from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield

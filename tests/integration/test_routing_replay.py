@@ -16,11 +16,17 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from miles_core.config import AlgorithmConfig, ConfigError, RolloutConfig, TinyModelConfig, TrainingConfig, \
-    build_config  # noqa: E402
-from miles_core.data import Prompt, Sample  # noqa: E402
-from miles_core.tiny import build_tiny_model  # noqa: E402
-from tests.integration.test_megatron import _with_tokenizer  # noqa: E402
+from miles_core.config import (
+    AlgorithmConfig,
+    ConfigError,
+    RolloutConfig,
+    TinyModelConfig,
+    TrainingConfig,
+    build_config,
+)
+from miles_core.data import Prompt, Sample
+from miles_core.tiny import build_tiny_model
+from tests.integration.test_megatron import _with_tokenizer
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K = 2, 8, 2
 # The trainer's router weights get noise of ROUTER_NOISE x their std: it flips the top-k of some
@@ -273,7 +279,7 @@ def test_routing_replay_on_a_dense_model_is_refused_with_the_fix(dirs):
         "routing_replay": True}}, "rollout": {"engine": "sglang", "gpus_per_engine": 1, "weight_transport": "disk"}}
     with pytest.raises(ConfigError, match="enable_return_routed_experts=true"):
         build_config(sglang)
-    sglang["rollout"]["server_args"] = {"enable_return_routed_experts": True}
+    sglang["rollout"]["engine"] = {"kind": "sglang", "server_args": {"enable_return_routed_experts": True}}
     assert build_config(sglang).routing_replay
     with pytest.raises(ValueError, match="needs an MoE model .*without experts.*routing_replay=false"):
         _trainer(dirs["dense"])

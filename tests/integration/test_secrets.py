@@ -4,12 +4,12 @@ import os
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-from mlflow.tracking import MlflowClient  # noqa: E402
+from mlflow.tracking import MlflowClient
 
-from miles_core import reports, tracking  # noqa: E402
-from miles_core.config import build_config  # noqa: E402
+from miles_core import reports, tracking
+from miles_core.config import build_config
 
 FAKE_SECRETS = {
     "AWS_SECRET_ACCESS_KEY": "fakeAwsSecret/9f3Kq2LmZx7Rt0Vb",

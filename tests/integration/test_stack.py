@@ -11,8 +11,8 @@ import subprocess
 import uuid
 
 import psutil
-import requests
 import pytest
+import requests
 from typer.testing import CliRunner
 
 from infra import stack, stack_cli

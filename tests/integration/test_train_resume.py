@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
-from miles_core.train import TrainSpec, run_training
+from miles_core.driver import TrainSpec, run_training
 
 
 @pytest.fixture(scope="module")
@@ -18,12 +18,13 @@ def ray_local():
     ray.shutdown()
 
 
-def spec_for(tmp_path, tiny_model_dir, run_dir, num_steps):
+def spec_for(tmp_path, tiny_model_dir, run_dir, num_steps, *overrides):
     train, _ = write_arithmetic_task(build_config({}).data.builtin, tmp_path / "data")
     cfg = build_config({}, [f"training.num_steps={num_steps}", "checkpoint.interval_steps=2",
                             "rollout.num_prompts_per_step=8", "rollout.num_samples_per_prompt=4",
-                            "rollout.verify_weight_sync=true", "training.num_threads=1"])
-    return TrainSpec(cfg.model_dump(mode="json"), str(tiny_model_dir), str(train), str(run_dir))
+                            "rollout.verify_weight_sync=true", "training.num_threads=1", *overrides])
+    return TrainSpec(config=cfg, model_dir=str(tiny_model_dir), train_path=str(train),
+                     run_dir=str(run_dir))
 
 
 def test_resume_continues_bit_exactly(ray_local, tmp_path, warm_tiny):
@@ -55,8 +56,7 @@ def test_resume_continues_bit_exactly(ray_local, tmp_path, warm_tiny):
 def test_rollout_and_trainer_logprobs_agree(ray_local, tmp_path, warm_tiny):
     # TIS needs the old log-probs before the update: a separate scoring pass, which must agree
     # with the update's own forward (ppo_kl 0) and with the engine's log-probs.
-    spec = spec_for(tmp_path, warm_tiny["warm"], tmp_path / "run", 1)
-    spec.config["algorithm"]["correction"]["kind"] = "tis"
+    spec = spec_for(tmp_path, warm_tiny["warm"], tmp_path / "run", 1, "algorithm.correction.kind=tis")
     result = run_training(spec)
     assert result.history[0]["rollout/train_logprob_abs_diff"] <= 1e-4
     assert result.history[0]["train/ppo_kl"] == pytest.approx(0.0, abs=1e-7)

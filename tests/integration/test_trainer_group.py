@@ -14,15 +14,15 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-import torch.distributed as dist  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import torch.distributed as dist
+from safetensors.torch import load_file
 
-from miles_core.config import AlgorithmConfig, ConfigError, TrainingConfig, build_config  # noqa: E402
-from miles_core.data import write_arithmetic_task  # noqa: E402
-from miles_core.train import TrainSpec, run_training  # noqa: E402
-from miles_core.trainer_group import kill_trainer, start_trainer_group  # noqa: E402
-from miles_core.training.megatron.trainer import MegatronTrainer  # noqa: E402
-from tests.integration.test_megatron import _max_diff, _samples  # noqa: E402
+from miles_core.config import AlgorithmConfig, ConfigError, TrainingConfig, build_config
+from miles_core.data import write_arithmetic_task
+from miles_core.driver import TrainSpec, run_training
+from miles_core.trainer_group import kill_trainer, start_trainer_group
+from miles_core.training.megatron.trainer import MegatronTrainer
+from tests.integration.test_megatron import _max_diff, _samples
 
 GROUP_TOL = 1e-4
 ON_POLICY_TOL = 1e-4
@@ -101,7 +101,8 @@ def _spec(tmp_path, model_dir, tp: int, num_steps: int, extra: tuple[str, ...] =
                             "training.num_threads=1", "training.micro_batch_size=8",
                             # a gradient even when every reward of the random tiny model is equal
                             "algorithm.entropy_coef=0.01", *extra])
-    return TrainSpec(cfg.model_dump(mode="json"), str(model_dir), str(train), str(tmp_path / "run"))
+    return TrainSpec(config=cfg, model_dir=str(model_dir), train_path=str(train),
+                     run_dir=str(tmp_path / "run"))
 
 
 def test_tp2_run_checkpoints_syncs_engines_and_resumes_at_tp1(ray_local, tmp_path, tiny_model_dir):

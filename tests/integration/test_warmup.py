@@ -11,7 +11,7 @@ from miles_core.data import read_prompts
 from miles_core.evaluation import evaluate_greedy
 from miles_core.rollout.engine import EmbeddedEngine
 from miles_core.warmup import run_sft_warmup, split_probe
-from miles_core.weights import weights_sha256
+from miles_core.weight_layout import weights_sha256
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ def test_kl_estimators_zero_at_equal_policies():
 
 
 # ---------------------------------------------------------------------------------------------
-# Extended objectives: each compared with a plain Python loop written from shared/rl-formulas.md
+# Extended objectives: each compared with a plain Python loop written from its docstring formula
 # (float64, random inputs, masks with right padding and holes in the middle).
 
 TOL = 1e-6
@@ -133,7 +133,7 @@ def test_reinforce_pp_returns_match_loop():
         rew = {t: -beta * kl[b, t].item() for t in on}
         rew[on[-1]] += rewards[b].item()
         for j, t in enumerate(on):  # k - t counted over trainable tokens
-            G[b][t] = sum(gamma ** (l - j) * rew[on[l]] for l in range(j, len(on)))
+            G[b][t] = sum(gamma ** (k - j) * rew[on[k]] for k in range(j, len(on)))
     assert _max_err(got, _whiten_loop(G, mask)) <= TOL
     no_kl = algo.reinforce_pp_returns(rewards, mask, None, beta, gamma)
     assert _max_err(no_kl, algo.reinforce_pp_returns(rewards, mask, kl, 0.0, gamma)) <= TOL
@@ -410,7 +410,7 @@ def test_step0_invariants():
     assert all(v.item() == 0 for v in metrics.values())
     # logp == logp_old: ratio exactly 1 and nothing clipped, for every policy loss.
     adv = _rand(B, T, seed=152)
-    for loss, clipped, ratio in (
+    for _loss, clipped, ratio in (
         algo.clipped_policy_loss(logp, logp.clone(), adv, 0.2, 0.28),
         algo.clipped_policy_loss(logp, logp.clone(), adv, 0.2, 0.28, dual_clip_c=3.0),
         algo.gspo_policy_loss(logp, logp.clone(), adv, mask, 0.2, 0.28),

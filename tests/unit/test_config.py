@@ -122,3 +122,28 @@ def test_megatron_options_read_the_config_section():
                             "training.megatron.logprob_chunk_tokens=512"])
     opts = MegatronOptions.from_training(cfg.training)
     assert (opts.tp, opts.pp, opts.ep, opts.recompute, opts.logprob_chunk_tokens) == (1, 1, 1, True, 512)
+
+
+def test_variants_carry_their_own_fields():
+    # A variant's fields exist only under its kind: a fully-async knob on a sync loop, or a
+    # bucket size on the disk transport, cannot be written.
+    with pytest.raises(ConfigError, match=r"rollout.loop.sync.max_weight_staleness: unknown field"):
+        build_config({"rollout": {"loop": {"kind": "sync", "max_weight_staleness": 2}}})
+    with pytest.raises(ConfigError, match=r"rollout.weight_transport.disk.bucket_megabytes: unknown field"):
+        build_config({}, ["rollout.weight_transport=disk", "rollout.weight_transport.bucket_megabytes=64"])
+    with pytest.raises(ConfigError, match=r"rollout.loop: which kind\? set rollout.loop.kind"):
+        build_config({}, ["rollout.loop.max_weight_staleness=2"])
+    with pytest.raises(ConfigError, match="does not match any of the expected tags: 'sync', 'one_step_off'"):
+        build_config({}, ["rollout.loop=bogus"])
+
+
+def test_a_variant_can_be_written_as_its_kind_and_extended_with_set():
+    cfg = build_config({"rollout": {"loop": "fully_async"}},
+                       ["rollout.loop.max_weight_staleness=3", "algorithm.correction.kind=tis"])
+    assert (cfg.rollout.loop.kind, cfg.rollout.loop.max_weight_staleness) == ("fully_async", 3)
+    assert cfg.model_dump()["rollout"]["loop"] == {"kind": "fully_async", "max_weight_staleness": 3,
+                                                   "stale_policy": "drop", "buffer_batches": 1}
+    assert RunConfig.model_validate(cfg.model_dump()) == cfg  # the resolved config round-trips
+    rows = {name: doc for name, _, doc in field_docs()}
+    assert rows["rollout.loop.kind"].startswith("one of sync | one_step_off | fully_async")
+    assert rows["rollout.weight_transport.bucket_megabytes"].startswith("(broadcast only)")

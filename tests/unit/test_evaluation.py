@@ -10,9 +10,14 @@ import pytest
 
 from miles_core.config import ArithmeticTaskConfig, build_config
 from miles_core.data import Prompt, read_prompts, write_arithmetic_task
-from miles_core.evaluation import (ExternalEvalError, evaluate_all, evaluate_dataset, evaluate_greedy, pass_at_k,
-                                   run_external_eval)
-
+from miles_core.evaluation import (
+    ExternalEvalError,
+    evaluate_all,
+    evaluate_dataset,
+    evaluate_greedy,
+    pass_at_k,
+    run_external_eval,
+)
 
 # ---- pass@k ------------------------------------------------------------------------------------
 

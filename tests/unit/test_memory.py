@@ -3,8 +3,16 @@
 import pytest
 
 from miles_core.config import load_config
-from miles_core.memory import GIB, KNOWN_HF_CONFIGS, Layout, ModelDims, describe_estimate, estimate, \
-    estimate_for_config, parameter_counts
+from miles_core.memory import (
+    GIB,
+    KNOWN_HF_CONFIGS,
+    Layout,
+    ModelDims,
+    describe_estimate,
+    estimate,
+    estimate_for_config,
+    parameter_counts,
+)
 from tests.conftest import REPO
 
 # 2 layers, h=64, 4 query heads and 2 kv heads of 16, MLP 128, vocabulary 100, tied embeddings.

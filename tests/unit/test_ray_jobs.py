@@ -11,8 +11,9 @@ import pytest
 from ray.job_submission import JobStatus
 
 from miles_core import ray_jobs
-from miles_core.driver import DriverJob
-from miles_core.errors import is_retryable, is_retryable_class
+from miles_core.config import RunConfig
+from miles_core.driver import TrainResult, TrainSpec
+from miles_core.errors import is_retryable
 
 
 class FakeJobs:
@@ -40,7 +41,8 @@ class FakeJobs:
         return True
 
 
-JOB = DriverJob({"run_dir": "/r"}, "sqlite:///m.db", "abc", None, "key")
+JOB = TrainSpec(config=RunConfig(), model_dir="/m", train_path="/t.jsonl", run_dir="/r", run_key="key",
+                mlflow_uri="sqlite:///m.db", mlflow_run_id="abc")
 
 
 def test_next_attempt_is_submitted_after_finished_ones(tmp_path):
@@ -49,7 +51,7 @@ def test_next_attempt_is_submitted_after_finished_ones(tmp_path):
     sid, attached = ray_jobs.submit_or_attach(client, "key", tmp_path, JOB, "/venv/bin/python")
     assert (sid, attached) == ("miles-key-3", False)
     entrypoint = client.submitted[0][1]
-    assert entrypoint.startswith("/venv/bin/python -m miles_core.driver --job ")
+    assert entrypoint.startswith("/venv/bin/python -m miles_core.driver --spec ")
     assert json.loads((tmp_path / "miles-key-3.job.json").read_text())["mlflow_run_id"] == "abc"
 
 
@@ -92,10 +94,10 @@ def test_a_job_without_step_progress_is_stopped_as_stalled(tmp_path):
 
 
 @pytest.mark.parametrize("status, record, expected, retried", [
-    (JobStatus.FAILED, {"error": {"type": "ValueError", "message": "bad", "mro": ["ValueError", "Exception"]}},
+    (JobStatus.FAILED, {"error": {"type": "ValueError", "message": "bad", "class_names": ["ValueError", "Exception"]}},
      ray_jobs.DriverJobFailed, False),
     (JobStatus.FAILED, {"error": {"type": "ActorDiedError", "message": "gone",
-                                  "mro": ["ActorDiedError", "RayActorError", "Exception"]}},
+                                  "class_names": ["ActorDiedError", "RayActorError", "Exception"]}},
      ray_jobs.DriverJobLost, True),
     (JobStatus.FAILED, None, ray_jobs.DriverJobLost, True),  # SIGKILL / OOM: no record at all
     (JobStatus.STOPPED, None, ray_jobs.DriverJobLost, True),
@@ -105,14 +107,16 @@ def test_job_endings_are_classified_for_retries(tmp_path, status, record, expect
     if record is not None:
         files.result.write_text(json.dumps(record))
     with pytest.raises(expected) as raised:
-        ray_jobs.outcome("miles-key-1", status, files, is_retryable_class)
+        ray_jobs.outcome("miles-key-1", status, files)
     assert is_retryable(raised.value) is retried
 
 
 def test_success_returns_the_drivers_result(tmp_path):
     files = ray_jobs.JobFiles.of(tmp_path, "miles-key-1")
-    files.result.write_text(json.dumps({"steps": 8}))
-    assert ray_jobs.outcome("miles-key-1", JobStatus.SUCCEEDED, files, is_retryable_class) == {"steps": 8}
+    result = TrainResult(steps=8, resumed_from_step=4, final_checkpoint_dir="/r/c", hf_export_dir="/r/hf",
+                         history=[{"step": 8.0, "train/loss": 0.5}])
+    files.result.write_text(result.model_dump_json())
+    assert ray_jobs.outcome("miles-key-1", JobStatus.SUCCEEDED, files) == result
 
 
 def test_cancellation_stops_only_the_runs_live_jobs():

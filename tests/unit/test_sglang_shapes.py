@@ -17,8 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from miles_core.rollout.sglang_client import (EngineError, SGLangClient, SGLangLauncher, free_port,
-                                              server_arg_flags)
+from miles_core.net import free_port
+from miles_core.rollout.sglang_client import EngineError, SGLangClient, SGLangLauncher, server_arg_flags
 
 GENERATE_RESPONSE = {
     "text": " 42",

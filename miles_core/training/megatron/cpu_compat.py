@@ -183,7 +183,3 @@ def enable_cpu_mode() -> bool:
         mrandom.initialize_rng_tracker(force_reset=True)
         _ENABLED = True
     return True
-
-
-def cpu_mode_enabled() -> bool:
-    return _ENABLED

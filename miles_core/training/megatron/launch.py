@@ -11,18 +11,13 @@ import os
 import pickle
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from miles_core.net import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, result_dir: str, fn: Callable, args: tuple,
@@ -50,7 +45,7 @@ def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any, threads_per
     """fn(rank, world_size, *args) on world_size spawned processes; returns rank 0's result."""
     env = {"OMP_NUM_THREADS": str(threads_per_rank)}
     with tempfile.TemporaryDirectory(prefix="miles-spawn-") as result_dir:
-        mp.start_processes(_entry, args=(world_size, _free_port(), result_dir, fn, args, env),
+        mp.start_processes(_entry, args=(world_size, free_port(), result_dir, fn, args, env),
                            nprocs=world_size, join=True, start_method="spawn")
         results = {}
         for path in sorted(Path(result_dir).glob("rank*.pkl")):

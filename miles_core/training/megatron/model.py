@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from miles_core.net import free_port
+
 # Architecture (HF `architectures[0]`) -> family. The family decides biases and q/k norms.
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -172,8 +174,7 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> bool:
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend)
         else:
-            from miles_core.training.fsdp import _free_port
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         created = True
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
@@ -349,7 +350,8 @@ def _mark_tensor_parallel(model) -> None:
         dim = 0 if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) else \
             1 if isinstance(module, RowParallelLinear) else None
         weight = getattr(module, "weight", None)
-        if dim is not None and isinstance(weight, torch.nn.Parameter) and not getattr(weight, "tensor_model_parallel", False):
+        tagged = getattr(weight, "tensor_model_parallel", False)
+        if dim is not None and isinstance(weight, torch.nn.Parameter) and not tagged:
             set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 

@@ -12,8 +12,8 @@ process builds), and its ``set_replay_data`` needs exactly one tensor per instan
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -44,7 +44,8 @@ def _sample_targets(sample: Sample, num_layers: int, top_k: int, num_experts: in
     positions = len(sample.prompt_ids) + len(sample.response_ids) - 1
     if sample.routed_experts is None:
         raise ValueError("training.megatron.routing_replay is on but a sample has no routed_experts: the rollout "
-                         "engine must return them (SGLang: rollout.server_args.enable_return_routed_experts=true)")
+                         "engine must return them "
+                         "(SGLang: rollout.engine.server_args.enable_return_routed_experts=true)")
     ids = np.asarray(sample.routed_experts)
     if ids.size != positions * num_layers * top_k:
         raise ValueError(f"routed_experts of shape {ids.shape} do not fit {positions} positions x {num_layers} "

@@ -14,9 +14,10 @@ checkpoint saved at one TP size resumes at another.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,15 +29,27 @@ from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.data import Sample
 from miles_core.training import state_io
-from miles_core.training.fsdp import pad_batch
+from miles_core.training.batches import pad_batch, select_rows
+from miles_core.training.logprobs import next_token_logprobs
 from miles_core.training.megatron import mapping, state
-from miles_core.training.megatron.convert import TORCH_DIST, load_hf_weights, load_model_checkpoint, \
-    verify_manifest
-from miles_core.training.megatron.logprobs import clip_grad_norm, is_expert_parallel, next_token_logprobs
-from miles_core.training.megatron.model import build_gpt_model, causal_positions, forward_logits, init_parallel, \
-    family_of, model_shape, shutdown_parallel
+from miles_core.training.megatron.convert import (
+    TORCH_DIST,
+    load_hf_weights,
+    load_model_checkpoint,
+    verify_manifest,
+)
+from miles_core.training.megatron.grad_norm import clip_grad_norm, is_expert_parallel
+from miles_core.training.megatron.model import (
+    build_gpt_model,
+    causal_positions,
+    family_of,
+    forward_logits,
+    init_parallel,
+    model_shape,
+    shutdown_parallel,
+)
 from miles_core.training.megatron.routing_replay import replayed_routing, routing_targets
-from miles_core.weights import weights_sha256
+from miles_core.weight_layout import weights_sha256
 
 
 @dataclass
@@ -52,7 +65,7 @@ class MegatronOptions:
     routing_replay: bool = False
 
     @classmethod
-    def from_training(cls, training: TrainingConfig) -> "MegatronOptions":
+    def from_training(cls, training: TrainingConfig) -> MegatronOptions:
         # The config validated the layout already (pp = cp = 1); cp has no option here.
         m = training.megatron
         return cls(tp=m.tensor_parallel_size, pp=m.pipeline_parallel_size, ep=m.expert_parallel_size,
@@ -66,10 +79,6 @@ def _require_experts(model_dir: str) -> None:
     if model_shape(hf_config).num_experts is None:
         raise ValueError(f"training.megatron.routing_replay needs an MoE model (Qwen3-MoE), but {model_dir} is "
                          f"{family_of(hf_config)} without experts: set training.megatron.routing_replay=false")
-
-
-def _select(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
-    return {k: v[rows] for k, v in batch.items()}
 
 
 def _filled(batch: dict[str, torch.Tensor], rows: slice, size: int) -> dict[str, torch.Tensor]:
@@ -218,7 +227,8 @@ class MegatronTrainer:
                                  backward_follows):
             logits = forward_logits(model, tokens)
         return next_token_logprobs(logits, tokens, self.temperature, vocab_size or self.shape.vocab_size,
-                                   with_entropy, self.opts.logprob_chunk_tokens)
+                                   with_entropy, self.opts.logprob_chunk_tokens,
+                                   self.ps.get_tensor_model_parallel_group())
 
     def _values(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = mb["tokens"]
@@ -240,7 +250,7 @@ class MegatronTrainer:
             if self.opts.ep > 1:
                 yield rows, _filled(batch, rows, size)
             elif rows.stop > rows.start:
-                yield rows, _select(batch, rows)
+                yield rows, select_rows(batch, rows)
 
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.dp > 1:
@@ -290,9 +300,10 @@ class MegatronTrainer:
                                               / mask.sum())
         chunk = -(-len(samples) // self.training.num_updates_per_step)
         for start in range(0, len(samples), chunk):
-            metrics |= self._update(_select(batch, slice(start, start + chunk)))
+            metrics |= self._update(select_rows(batch, slice(start, start + chunk)))
         self.step += 1
-        if cfg.ref_refresh_interval_steps and self.reference is not None and self.step % cfg.ref_refresh_interval_steps == 0:
+        refresh = cfg.ref_refresh_interval_steps
+        if refresh and self.reference is not None and self.step % refresh == 0:
             self.reference.load_state_dict(self.model.state_dict())
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
@@ -323,8 +334,9 @@ class MegatronTrainer:
         for rows, mb in self._my_micro_batches(batch):
             loss, parts = self._loss(mb, totals) if train_policy else (torch.zeros(()), {})
             if self.critic is not None:
+                share = (rows.stop - rows.start) / totals["num_seqs"]
                 value_loss = algo.value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["mask"],
-                                             self.algorithm.value_clip) * ((rows.stop - rows.start) / totals["num_seqs"])
+                                             self.algorithm.value_clip) * share
                 loss = loss + value_loss
                 parts["train/value_loss"] = float(value_loss.detach())
             if loss.requires_grad:
@@ -449,8 +461,8 @@ class MegatronTrainer:
         meta: dict[str, Any] = {"modules": {}, "layout": {"tp": self.tp, "ep": self.opts.ep, "dp": self.dp}}
         for name, model, optimizer, scheduler, tensors in self._modules():
             sub = TORCH_DIST if name == "policy" else f"{name}_{TORCH_DIST}"
-            meta["modules"][name] = {**state.save(out_dir / sub, model, optimizer, tensors),
-                                     "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}}
+            schedule = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+            meta["modules"][name] = {**state.save(out_dir / sub, model, optimizer, tensors), "scheduler": schedule}
         if self.reference is not None and self.algorithm.ref_refresh_interval_steps:
             state.save(out_dir / f"reference_{TORCH_DIST}", self.reference, None)
         if dist.get_rank() == 0:

@@ -1,15 +1,16 @@
-"""Token log-probs and entropy from vocab-parallel logits, without full fp32 logits.
+"""Token log-probs and entropy from (vocab-parallel) logits, without full fp32 logits.
 
-Logits arrive as this TP rank's vocab slice [N, V/tp] in the model dtype (any float dtype;
-world size 1 and no megatron at all works too, which is how the FSDP2 trainer uses it). A
-custom autograd function reduces each row over the vocabulary in one pass: logits / T with
-padded-vocab columns at -inf, the row max m, sum exp(x - m), the target logit and (for the
-entropy) sum exp(x - m) * x. With TP the per-rank pieces are merged like an online softmax
-(all-reduce MAX of m, rescale, all-reduce SUM) into per-token log-sum-exp, log p(target) and
-entropy. Only those per-token fp32 vectors are saved; backward recomputes the softmax and
-writes the logits' gradient ``g_logp (onehot - p) / T - g_H p (x - E_p[x]) / T`` in the
-logits' dtype. This is the same quantity as megatron's ``vocab_parallel_cross_entropy``
-(-log p of the target), with the entropy fused in.
+Shared by both trainers: the FSDP2 one passes whole-vocabulary logits and no group, the
+Megatron one its tensor-parallel group with this rank's vocab slice. Logits arrive as
+[N, V/tp] in the model dtype (any float dtype). A custom autograd function reduces each row
+over the vocabulary in one pass: logits / T with padded-vocab columns at -inf, the row max m,
+sum exp(x - m), the target logit and (for the entropy) sum exp(x - m) * x. With TP the per-rank
+pieces are merged like an online softmax (all-reduce MAX of m, rescale, all-reduce SUM) into
+per-token log-sum-exp, log p(target) and entropy. Only those per-token fp32 vectors are saved;
+backward recomputes the softmax and writes the logits' gradient
+``g_logp (onehot - p) / T - g_H p (x - E_p[x]) / T`` in the logits' dtype. This is the same
+quantity as megatron's ``vocab_parallel_cross_entropy`` (-log p of the target), with the
+entropy fused in.
 
 On CUDA the per-row reduction and the gradient are torch.compile'd (Inductor fuses the upcast,
 mask, exp and sums into one read of the logits, and the gradient into one read and one write),
@@ -29,16 +30,11 @@ import torch.distributed as dist
 CHUNK_ELEMENTS = 1 << 26  # fp32 logits per eager chunk: 256 MB
 
 
-def _tp():
-    """(rank, size, group) of tensor parallelism; (0, 1, None) without megatron's groups."""
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return 0, 1, None
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 1, None
-    return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_group())
+def _tp(group) -> tuple[int, int]:
+    """(rank, size) of this process in the tensor-parallel group; (0, 1) without one."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _masked(logits: torch.Tensor, temperature: float, valid: int) -> torch.Tensor:
@@ -99,16 +95,17 @@ def _run(name: str, eager, compiled: bool, *args):
                     if a.dim() == 2:
                         torch._dynamo.mark_static(a, 1)
             return _kernel(name, eager)(*args)
-        except Exception as exc:  # pragma: no cover - GPU only; fall back, never fail the step
-            warnings.warn(f"compiled log-probs failed ({type(exc).__name__}: {exc}); using the eager path")
+        except Exception as exc:  # noqa: BLE001 - GPU only; fall back to eager, never fail the step
+            warnings.warn(f"compiled log-probs failed ({type(exc).__name__}: {exc}); using the eager path",
+                          stacklevel=2)
             _COMPILED["failed"] = True
     return eager(*args)
 
 
 class _VocabParallelLogProb(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, temperature, vocab_size, with_entropy, chunk):
-        rank, tp, group = _tp()
+    def forward(ctx, logits, targets, temperature, vocab_size, with_entropy, chunk, group):
+        rank, tp = _tp(group)
         n, width = logits.shape
         start = rank * width
         valid = vocab_size - start  # columns at or past it are padded vocabulary rows
@@ -152,61 +149,29 @@ class _VocabParallelLogProb(torch.autograd.Function):
             grad = torch.empty_like(logits)
             for s in range(0, n, chunk):
                 grad[s:s + chunk] = _run("grad", _row_grad, ctx.compiled, *args(s))
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def token_logprobs(local_logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int,
-                   with_entropy: bool = False, chunk_tokens: int | None = None):
-    """log p(target) [B, T] (and entropy [B, T] or None) from vocab-parallel logits [B, T, V/tp]."""
+                   with_entropy: bool = False, chunk_tokens: int | None = None, tp_group=None):
+    """log p(target) [B, T] (and entropy [B, T] or None) from vocab-parallel logits [B, T, V/tp].
+
+    tp_group: the tensor-parallel group the vocabulary is split over (None: not split)."""
     b, t, width = local_logits.shape
     logp, entropy = _VocabParallelLogProb.apply(local_logits.reshape(b * t, width), targets.reshape(b * t),
                                                 float(temperature), int(vocab_size), bool(with_entropy),
-                                                chunk_tokens)
+                                                chunk_tokens, tp_group)
     return logp.view(b, t), (entropy.view(b, t) if with_entropy else None)
 
 
 def next_token_logprobs(local_logits: torch.Tensor, tokens: torch.Tensor, temperature: float, vocab_size: int,
-                        with_entropy: bool = False, chunk_tokens: int | None = None):
+                        with_entropy: bool = False, chunk_tokens: int | None = None, tp_group=None):
     """log p(tokens[:, t+1] | ..t) [B, T-1] (and entropy) from the logits of all T positions.
 
     Works on the whole [B, T, V/tp] logits (the last position gets a dummy target and is
     dropped): slicing off the last position first would copy the logits.
     """
     targets = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
-    logp, entropy = token_logprobs(local_logits, targets, temperature, vocab_size, with_entropy, chunk_tokens)
+    logp, entropy = token_logprobs(local_logits, targets, temperature, vocab_size, with_entropy, chunk_tokens,
+                                   tp_group)
     return logp[:, :-1], (entropy[:, :-1] if entropy is not None else None)
-
-
-def is_expert_parallel(param: torch.Tensor) -> bool:
-    """An expert weight split over expert-parallel ranks (megatron marks them allreduce=False)."""
-    return not getattr(param, "allreduce", True)
-
-
-def _squared_norm(grads: list[torch.Tensor], group, device) -> torch.Tensor:
-    total = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum() if grads else \
-        torch.zeros((), device=device)
-    dist.all_reduce(total, group=group)
-    return total
-
-
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
-    """Global L2 grad norm over TP (sharded tensors counted once per shard, replicated ones once)
-    and EP (each rank's experts are its own), and clip to max_norm. Gradients must already be
-    summed over data parallel ranks."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.zeros(())
-    own = [p for p in params if param_is_not_tensor_parallel_duplicate(p)]
-    dense = [p.grad.detach() for p in own if not is_expert_parallel(p)]
-    experts = [p.grad.detach() for p in own if is_expert_parallel(p)]
-    device = params[0].grad.device
-    total = _squared_norm(dense, ps.get_model_parallel_group(), device)
-    if ps.get_expert_model_parallel_world_size() > 1:  # every rank joins, with or without experts here
-        total = total + _squared_norm(experts, ps.get_expert_tensor_model_pipeline_parallel_group(), device)
-    norm = total.sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_([p.grad.detach() for p in params], scale)
-    return norm

@@ -1,0 +1,122 @@
+"""The `rollout` section. The engine, the weight transport and the rollout schedule are each one
+of several variants, written as `{kind: <name>, ...}` with only that variant's own fields (or as
+the kind alone: `loop: sync`), so a field of another variant cannot be set by mistake."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
+
+from miles_core.config.base import Section
+
+
+def _kind_alone(value: Any) -> Any:
+    """`loop: sync` means `loop: {kind: sync}`."""
+    return {"kind": value} if isinstance(value, str) else value
+
+
+def variants(*models: type[Section]) -> Any:
+    """A field that holds one of `models`, chosen by its `kind`."""
+    return Annotated[models, Field(discriminator="kind"), BeforeValidator(_kind_alone)]
+
+
+class EmbeddedEngine(Section):
+    """Transformers generation behind SGLang's HTTP API (runs anywhere; the CPU default)."""
+
+    kind: Literal["embedded"] = "embedded"
+
+
+class SGLangEngine(Section):
+    """SGLang servers launched by the engine actors (GPU clusters)."""
+
+    kind: Literal["sglang"] = "sglang"
+    server_args: dict[str, Any] = {}
+    """SGLang server args (e.g. {mem_fraction_static: 0.8}); unknown ones are dropped with a warning."""
+
+
+class ObjectStoreTransport(Section):
+    """Weights through Ray's object store (same node, zero copy): embedded engines only."""
+
+    kind: Literal["object_store"] = "object_store"
+
+
+class BroadcastTransport(Section):
+    """A torch.distributed broadcast from the trainer (gloo on CPU, NCCL on GPU), bucketed."""
+
+    kind: Literal["broadcast"] = "broadcast"
+    bucket_megabytes: int = Field(512, ge=1)
+    """Bucket size (one engine request per bucket)."""
+
+
+class DiskTransport(Section):
+    """An HF safetensors directory on a disk trainer and engines share."""
+
+    kind: Literal["disk"] = "disk"
+
+
+class SyncLoop(Section):
+    """Generate, then train: always on-policy."""
+
+    kind: Literal["sync"] = "sync"
+
+
+class OneStepOffLoop(Section):
+    """Generate step k+1 while step k trains (samples one version behind)."""
+
+    kind: Literal["one_step_off"] = "one_step_off"
+
+
+class FullyAsyncLoop(Section):
+    """A persistent producer with a bounded buffer."""
+
+    kind: Literal["fully_async"] = "fully_async"
+    max_weight_staleness: int = Field(1, ge=0)
+    """Batches generated more than this many weight versions ago are stale."""
+    stale_policy: Literal["drop", "retry"] = "drop"
+    """A stale batch is dropped (the next one is used) or regenerated at once."""
+    buffer_batches: int = Field(1, ge=1)
+    """Batches the producer may generate ahead of the trainer."""
+
+
+EngineConfig = variants(EmbeddedEngine, SGLangEngine)
+TransportConfig = variants(ObjectStoreTransport, BroadcastTransport, DiskTransport)
+LoopConfig = variants(SyncLoop, OneStepOffLoop, FullyAsyncLoop)
+
+
+class RolloutConfig(Section):
+    engine: EngineConfig = EmbeddedEngine()
+    """Rollout engine: `embedded` (transformers, runs anywhere) or `sglang` (GPU clusters)."""
+    num_engines: int = Field(1, ge=1)
+    """Engine replicas; each is a Ray actor."""
+    num_prompts_per_step: int = Field(32, ge=1)
+    """Prompts drawn from the dataset for one RL step."""
+    num_samples_per_prompt: int = Field(8, ge=1)
+    """Group size n: responses sampled per prompt (GRPO needs n >= 2)."""
+    max_new_tokens: int = Field(8, ge=1)
+    """Generation budget per response."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trainer scales logits by the same value."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    reward: str = "exact_match"
+    """Reward function: a registered name (exact_match, math, math_boxed, dapo) or `module:function`."""
+    weight_transport: TransportConfig = ObjectStoreTransport()
+    """How weights reach the engines after each step: `object_store` (Ray's, same node),
+    `broadcast` (torch.distributed from the trainer) or `disk` (a shared HF directory)."""
+    verify_weight_sync: bool = False
+    """After each sync, compare a sha256 of engine and trainer weights (slow on big models)."""
+    loop: LoopConfig = SyncLoop()
+    """Rollout schedule: `sync` (generate, then train), `one_step_off` (generate step k+1 while
+    step k trains), `fully_async` (a persistent producer with a bounded buffer)."""
+    bind_host: Literal["loopback", "node_ip"] = "loopback"
+    """Engine HTTP servers bind to 127.0.0.1 (one-machine clusters) or the Ray node's IP."""
+    request_timeout_seconds: float = Field(300.0, gt=0)
+    """An engine that does not answer a generate request within this is treated as hung."""
+    health_timeout_seconds: float = Field(30.0, gt=0)
+    """An engine whose /health_generate does not answer within this (checked after every step)
+    is killed and restarted."""
+    cpus_per_engine: float = Field(1.0, gt=0)
+    """Ray CPUs reserved per engine actor."""
+    gpus_per_engine: float = Field(0.0, ge=0)
+    """Ray GPUs reserved per engine actor (0 on CPU machines)."""

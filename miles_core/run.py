@@ -1,0 +1,160 @@
+"""One training run's live parts, owned by one object: `TrainingRun` starts the trainer and
+engine actors, the weight transport, the periodic evaluator and the rollout schedule, resumes
+from the latest complete checkpoint, and releases everything on close. The loop
+(miles_core.loop) drives it; the driver (miles_core.driver) opens it from a TrainSpec.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from transformers import AutoTokenizer
+
+from miles_core import checkpoint as ckpt
+from miles_core.config import RunConfig
+from miles_core.data import PromptSource, read_prompts
+from miles_core.periodic_eval import PeriodicEvaluator
+from miles_core.placement import Placement, bundles
+from miles_core.rollout.engine_group import EngineGroup
+from miles_core.trainer_group import kill_trainer, start_trainer_group
+from miles_core.weights import WeightTransport, make_transport
+
+log = logging.getLogger(__name__)
+MetricsFn = Callable[[int, dict[str, float]], None]
+
+
+def _noop(*_: Any) -> None:
+    pass
+
+
+@dataclass
+class RunHooks:
+    """Where a run reports: metrics per step, each durable checkpoint, each finished step."""
+
+    on_metrics: MetricsFn = _noop
+    on_checkpoint: Callable[[int], None] = _noop
+    on_step: Callable[[Any], None] = _noop
+    """Called with the LoopState after every step (progress displays, stall detection)."""
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    weight_version: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    periodic_eval: list[dict[str, float]] = field(default_factory=list)
+    """{"step": s, eval/periodic/...: value} per periodic evaluation of this attempt."""
+
+
+def _fsdp_trainer() -> type:
+    from miles_core.training.fsdp import FSDPTrainer
+
+    return FSDPTrainer
+
+
+def _megatron_trainer() -> type:
+    # Imported only for this backend: megatron-core is an optional extra.
+    from miles_core.training.megatron.trainer import MegatronTrainer
+
+    return MegatronTrainer
+
+
+# training.backend -> the trainer class; both implement the loop's trainer calls.
+TRAINER_BACKENDS: dict[str, Callable[[], type]] = {"fsdp2": _fsdp_trainer, "megatron": _megatron_trainer}
+
+
+def start_trainer(cfg: RunConfig, layout: Placement, model_dir: str, teacher_dir: str | None,
+                  megatron_dir: str | None) -> Any:
+    """The trainer: one actor, or (world_size > 1) a TrainerGroup of rank actors behind one handle."""
+    t = cfg.training
+    trainer_type = TRAINER_BACKENDS[t.backend]()
+    backend_kwargs = {"megatron_ckpt": megatron_dir} if t.backend == "megatron" else {}
+    args = (model_dir, t, cfg.algorithm, cfg.rollout.temperature, cfg.rollout.max_new_tokens, cfg.seed,
+            cfg.rollout.num_samples_per_prompt, teacher_dir)
+    if t.world_size == 1:
+        actor = ray.remote(num_cpus=t.cpus_per_trainer, num_gpus=t.gpus_per_trainer)(trainer_type)
+        return actor.options(**layout.trainer(0)).remote(*args, **backend_kwargs)
+    return start_trainer_group(trainer_type, t.world_size, layout.trainer, bundles(cfg)[0], args, backend_kwargs)
+
+
+@dataclass
+class TrainingRun:
+    """Everything one training attempt drives; `open` starts it, `close` releases it."""
+
+    cfg: RunConfig
+    run_dir: Path
+    tokenizer: Any
+    source: PromptSource
+    layout: Placement
+    trainer: Any
+    engines: EngineGroup
+    transport: WeightTransport
+    evaluator: PeriodicEvaluator
+    hooks: RunHooks = field(default_factory=RunHooks)
+
+    @classmethod
+    def open(cls, cfg: RunConfig, run_dir: str | Path, model_dir: str, train_path: str, *,
+             eval_path: str | None = None, teacher_dir: str | None = None, megatron_dir: str | None = None,
+             hooks: RunHooks | None = None) -> TrainingRun:
+        run_dir = Path(run_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        source = PromptSource(read_prompts(train_path, cfg.data, tokenizer), seed=cfg.seed)
+        layout = Placement(cfg)
+        trainer = start_trainer(cfg, layout, model_dir, teacher_dir, megatron_dir)
+        engines = EngineGroup(cfg, model_dir, scheduling=layout.engine)
+        ray.get(trainer.__ray_ready__.remote())
+        transport = make_transport(cfg.rollout.weight_transport, str(run_dir), cfg.rollout.verify_weight_sync)
+        evaluator = PeriodicEvaluator(cfg, model_dir, eval_path, trainer, run_dir, tokenizer)
+        return cls(cfg, run_dir, tokenizer, source, layout, trainer, engines, transport, evaluator, hooks or RunHooks())
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        return self.transport.push(self.trainer, self.engines.targets(), version)
+
+    def resume(self) -> tuple[LoopState, int | None]:
+        """The state after the latest complete checkpoint (restored into trainer, data source
+        and engines), and its step; a fresh state and None when there is none. Checkpoints
+        after it (incomplete, or from a diverged attempt) are discarded."""
+        latest = ckpt.latest_complete_checkpoint(self.checkpoints_dir)
+        if latest is None:
+            ckpt.discard_after(self.checkpoints_dir, -1)
+            return LoopState(), None
+        step, path = latest
+        ckpt.discard_after(self.checkpoints_dir, step)
+        extra = ray.get(self.trainer.load_state.remote(str(path)))
+        self.source.load_state_dict(extra["data"])
+        state = LoopState(step=int(extra["step"]), weight_version=int(extra["weight_version"]))
+        self.push_weights(state.weight_version)
+        log.info("resumed from checkpoint step %d (%s)", step, path)
+        return state, step
+
+    def save(self, state: LoopState, cursor: dict) -> Path:
+        """A complete checkpoint of the state after state.step (cursor: the data source's)."""
+        extra = {"step": state.step, "weight_version": state.weight_version, "data": cursor}
+
+        def write(staging: Path) -> None:
+            ray.get(self.trainer.save_state.remote(str(staging), extra))
+
+        path = ckpt.write_checkpoint(self.checkpoints_dir, state.step, self.cfg.digest(), write)
+        ckpt.prune(self.checkpoints_dir, self.cfg.checkpoint.keep_latest)
+        return path
+
+    def export_hf(self) -> Path:
+        export_dir = self.run_dir / "hf_export"
+        ray.get(self.trainer.export_hf.remote(str(export_dir)))
+        return export_dir
+
+    def close(self) -> None:
+        """Release actors and bundles: a failed attempt must not hold CPUs/GPUs for the retry."""
+        self.evaluator.close()
+        self.engines.shutdown()
+        kill_trainer(self.trainer)
+        self.layout.release()

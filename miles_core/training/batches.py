@@ -1,0 +1,37 @@
+"""Samples to padded training tensors, shared by the FSDP2 and Megatron backends."""
+
+from __future__ import annotations
+
+import torch
+
+from miles_core.data import Sample
+
+Batch = dict[str, torch.Tensor]
+
+
+def pad_batch(samples: list[Sample], pad_id: int) -> Batch:
+    """Right-padded tokens plus per-position tensors aligned with next-token targets.
+
+    Position t of the [B, L-1] tensors is the prediction of token t+1; the mask is 1 where
+    that token is a generated response token.
+    """
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    tokens = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(samples), width - 1)
+    rollout_logp = torch.zeros(len(samples), width - 1)
+    for row, s in enumerate(samples):
+        seq = s.prompt_ids + s.response_ids
+        tokens[row, : len(seq)] = torch.tensor(seq)
+        start, end = len(s.prompt_ids) - 1, len(seq) - 1
+        mask[row, start:end] = torch.tensor(s.loss_mask, dtype=mask.dtype) if s.loss_mask else 1.0
+        if s.rollout_logprobs:
+            rollout_logp[row, start:end] = torch.tensor(s.rollout_logprobs)
+    attention = (torch.arange(width)[None, :] < torch.tensor(
+        [len(s.prompt_ids) + len(s.response_ids) for s in samples])[:, None]).long()
+    return {"tokens": tokens, "attention": attention, "mask": mask, "rollout_logp": rollout_logp,
+            "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32)}
+
+
+def select_rows(batch: Batch, rows: slice) -> Batch:
+    """The same rows of every tensor of the batch (a micro-batch or an update's chunk)."""
+    return {k: v[rows] for k, v in batch.items()}
