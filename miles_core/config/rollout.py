@@ -4,6 +4,8 @@ the kind alone: `loop: sync`), so a field of another variant cannot be set by mi
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import or_
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
@@ -18,7 +20,7 @@ def _kind_alone(value: Any) -> Any:
 
 def variants(*models: type[Section]) -> Any:
     """A field that holds one of `models`, chosen by its `kind`."""
-    return Annotated[models, Field(discriminator="kind"), BeforeValidator(_kind_alone)]
+    return Annotated[reduce(or_, models), Field(discriminator="kind"), BeforeValidator(_kind_alone)]
 
 
 class EmbeddedEngine(Section):

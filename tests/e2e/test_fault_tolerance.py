@@ -12,21 +12,25 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
+from tests.e2e.conftest import Workspace
 
 pytestmark = pytest.mark.e2e
 NUM_STEPS = 40
-SHORT = [f"training.num_steps={NUM_STEPS}", "checkpoint.interval_steps=10", "checkpoint.keep_latest=3"]
+# A quarter of the recipe's rollout per step: these tests compare runs number for number, they
+# do not measure learning.
+SHORT = [f"training.num_steps={NUM_STEPS}", "checkpoint.interval_steps=10", "checkpoint.keep_latest=3",
+         "rollout.num_prompts_per_step=16"]
 
 
 @pytest.fixture(scope="module")
-def work_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("faults")
+def work_dir(isolated) -> Workspace:
+    return isolated
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(work_dir) -> dict:
     """The same run with no fault: what a run that survived one must match."""
-    run_dir = work_dir / "uninterrupted"
+    run_dir = work_dir.dir / "uninterrupted"
     finish(miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir)))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == NUM_STEPS and summary["resumed_from_step"] is None
@@ -42,14 +46,14 @@ def assert_continues_like(summary: dict, uninterrupted: dict) -> None:
     assert summary["eval"]["after"] == uninterrupted["eval"]["after"]
 
 
-def miles(work: Path, *args: str, overrides=SHORT) -> subprocess.Popen:
+def miles(work: Workspace, *args: str, overrides=SHORT) -> subprocess.Popen:
     """Start `miles ...` in its own session; output goes to a file (a pipe nobody reads
     while the test polls would fill up and block the child)."""
-    # Each run gets its own Prefect home under its work dir (other tests may set PREFECT_* here).
+    # Runs get their Prefect home under the work dir (other tests may set PREFECT_* here).
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    sets = [x for o in [*overrides, f"storage.work_dir={work}"] for x in ("--set", o)]
-    log = open(work / f"miles-{time.time_ns()}.log", "w+")
+    sets = [x for o in [*overrides, *work.sets] for x in ("--set", o)]
+    log = open(work.dir / f"miles-{time.time_ns()}.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args, *sets], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     proc.log = log
@@ -91,7 +95,7 @@ def assert_metrics_exactly_once(summary: dict) -> None:
 
 
 def test_trainer_killed_after_checkpoint_task_retry_resumes(work_dir, uninterrupted):
-    run_dir = work_dir / "killed-trainer"
+    run_dir = work_dir.dir / "killed-trainer"
     proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir))
     wait_for(lambda: complete_steps(run_dir), 600, "the first checkpoint", proc)
     trainer_pids = wait_for(lambda: subprocess.run(["pgrep", "-f", "ray::FSDPTrainer"], capture_output=True,
@@ -111,7 +115,7 @@ def test_trainer_killed_after_checkpoint_task_retry_resumes(work_dir, uninterrup
 
 
 def test_whole_process_killed_then_resume_skips_cached_stages(work_dir, uninterrupted):
-    run_dir = work_dir / "killed-run"
+    run_dir = work_dir.dir / "killed-run"
     proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir))
     wait_for(lambda: len(complete_steps(run_dir)) >= 2, 600, "two checkpoints", proc)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -153,7 +157,7 @@ def test_missing_model_path_fails_without_retries(work_dir, tmp_path):
     assert "Retry 1/" not in out
     # the run's MLflow run ends FAILED, not RUNNING forever
     run_key = (tmp_path / "nomodel" / "RUN_KEY").read_text()
-    client = MlflowClient(f"sqlite:///{work_dir / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{work_dir.dir / 'mlflow.db'}")
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                filter_string=f"tags.`miles.run_key` = '{run_key}'")
     assert run.info.status == "FAILED"

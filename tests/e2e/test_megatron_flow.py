@@ -32,8 +32,9 @@ def _manifest(work: Path) -> Path:
     return manifest
 
 
-def drive(work: str, out_json: str) -> None:
-    """Run in a subprocess: two flow runs, then a refresh of the deleted conversion."""
+def drive(work: str, own: str, out_json: str) -> None:
+    """Run in a subprocess: two flow runs, then a refresh of the deleted conversion. `work` is
+    the shared storage.work_dir (its cached warm-up is reused), `own` this module's directory."""
     from flows.cli import local_environment
 
     local_environment(work)
@@ -44,14 +45,14 @@ def drive(work: str, out_json: str) -> None:
     from flows.rl_posttrain import rl_posttrain
     from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, sft_warmup
 
-    work_path = Path(work)
-    overrides = [f"storage.work_dir={work}", *FAST]
+    work_path, own_path = Path(work), Path(own)
+    overrides = [f"storage.work_dir={work}", f"tracking.tracking_uri=sqlite:///{own_path / 'mlflow.db'}", *FAST]
     print(f"{MARK} run 1", flush=True)
-    first = rl_posttrain(str(RECIPE), overrides, run_dir=str(work_path / "run1"))
+    first = rl_posttrain(str(RECIPE), overrides, run_dir=str(own_path / "run1"))
     manifest = _manifest(work_path)
     stamp = manifest.stat().st_mtime_ns
     print(f"{MARK} run 2", flush=True)
-    second = rl_posttrain(str(RECIPE), overrides + ["training.num_steps=1"], run_dir=str(work_path / "run2"))
+    second = rl_posttrain(str(RECIPE), overrides + ["training.num_steps=1"], run_dir=str(own_path / "run2"))
     reused = _manifest(work_path) == manifest and manifest.stat().st_mtime_ns == stamp
     shutil.rmtree(manifest.parent)
     print(f"{MARK} refresh", flush=True)
@@ -70,16 +71,16 @@ def drive(work: str, out_json: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("megatron-work")
-    out = work / "result.json"
+def runs(e2e_work_dir, isolated):
+    work, own = e2e_work_dir, isolated.dir
+    out = own / "result.json"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    code = f"from tests.e2e.test_megatron_flow import drive; drive({str(work)!r}, {str(out)!r})"
+    code = f"from tests.e2e.test_megatron_flow import drive; drive({str(work)!r}, {str(own)!r}, {str(out)!r})"
     # one stream, so that the run markers and Prefect's log lines stay in order
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=900)
-    (work / "driver.log").write_text(proc.stdout)  # kept for debugging a failed assertion
+    (own / "driver.log").write_text(proc.stdout)  # kept for debugging a failed assertion
     assert proc.returncode == 0, proc.stdout[-4000:]
     return work, json.loads(out.read_text()), proc.stdout
 
