@@ -21,6 +21,7 @@ from miles_core.models import materialize_model, model_identity
 
 log = logging.getLogger(__name__)
 ARTIFACT_VERSION = "v2"
+WARMUP_RECORD = "WARMUP.json"
 
 
 class StageResult(BaseModel):
@@ -117,6 +118,11 @@ def warm_up(cfg: RunConfig, model: ModelArtifact, data: Dataset) -> WarmupArtifa
 
     key = warmup_identity(cfg, model)
     out_dir = cfg.storage.cache_dir("warmup") / key
+    record = out_dir / WARMUP_RECORD
+    if record.is_file():  # keyed by everything it depends on, written last: a complete warm-up
+        log.info("sft warm-up %s already complete at %s", key, out_dir)
+        return WarmupArtifact.model_validate_json(record.read_text())
+    shutil.rmtree(out_dir, ignore_errors=True)  # an interrupted attempt's leftovers
     tokenizer = AutoTokenizer.from_pretrained(model.model_dir)
     prompts = read_prompts(data.train_path, cfg.data, tokenizer)
 
@@ -128,8 +134,10 @@ def warm_up(cfg: RunConfig, model: ModelArtifact, data: Dataset) -> WarmupArtifa
     result = run_sft_warmup(cfg, model.model_dir, prompts, tokenizer, out_dir, on_step=progress)
     log.info("sft warm-up done after %d steps (probe pass@1 %s, target %s)", result.steps,
              result.probe_pass_at_1, cfg.warmup.target_pass_at_1)
-    return WarmupArtifact(model_dir=str(out_dir), identity=f"warmup:{key}", sft_steps=result.steps,
-                          probe_pass_at_1=result.probe_pass_at_1, reached_target=result.reached_target)
+    artifact = WarmupArtifact(model_dir=str(out_dir), identity=f"warmup:{key}", sft_steps=result.steps,
+                              probe_pass_at_1=result.probe_pass_at_1, reached_target=result.reached_target)
+    record.write_text(artifact.model_dump_json())
+    return artifact
 
 
 def conversion_identity(cfg: RunConfig, model: ModelArtifact) -> str | None:

@@ -110,35 +110,32 @@ def run_training(spec: TrainSpec, on_step: Callable[[LoopState], None] | None = 
         progress.step(state)
         _call(on_step, state)
 
+    hooks = RunHooks(on_metrics=logged, on_checkpoint=checkpointed, on_step=stepped)
     try:
         with tracking.system_metrics(spec.mlflow_uri, spec.mlflow_run_id, cfg.tracking.system_metrics_interval_seconds):
-            result = _train(spec, RunHooks(on_metrics=logged, on_checkpoint=checkpointed, on_step=stepped))
+            run = TrainingRun.open(cfg, spec.run_dir, spec.model_dir, spec.train_path, eval_path=spec.eval_path,
+                                   teacher_dir=spec.teacher_dir, megatron_dir=spec.megatron_dir, hooks=hooks)
+            try:
+                state, resumed_from = run.resume()
+                state = run_loop(run, state)
+                export_dir = run.export_hf()
+            finally:
+                run.close()
     except BaseException:
         if uploader is not None:  # a retry starts its own uploader; this one must not race it
             uploader.close()
         raise
     if mlflow:
         mlflow.flush()
-    return result.model_copy(update={"checkpoint_upload": _finish_uploads(uploader)})
+    final = ckpt.latest_complete_checkpoint(run.checkpoints_dir)
+    return TrainResult(steps=state.step, resumed_from_step=resumed_from, final_checkpoint_dir=str(final[1]),
+                       hf_export_dir=str(export_dir), history=state.history, periodic_eval=state.periodic_eval,
+                       checkpoint_upload=_finish_uploads(uploader))
 
 
 def _call(fn: Callable | None, *args) -> None:
     if fn is not None:
         fn(*args)
-
-
-def _train(spec: TrainSpec, hooks: RunHooks) -> TrainResult:
-    run = TrainingRun.open(spec.config, spec.run_dir, spec.model_dir, spec.train_path, eval_path=spec.eval_path,
-                           teacher_dir=spec.teacher_dir, megatron_dir=spec.megatron_dir, hooks=hooks)
-    try:
-        state, resumed_from = run.resume()
-        state = run_loop(run, state)
-        export_dir = run.export_hf()
-    finally:
-        run.close()
-    final = ckpt.latest_complete_checkpoint(run.checkpoints_dir)
-    return TrainResult(steps=state.step, resumed_from_step=resumed_from, final_checkpoint_dir=str(final[1]),
-                       hf_export_dir=str(export_dir), history=state.history, periodic_eval=state.periodic_eval)
 
 
 class ProgressLog:

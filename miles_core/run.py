@@ -105,11 +105,20 @@ class TrainingRun:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         source = PromptSource(read_prompts(train_path, cfg.data, tokenizer), seed=cfg.seed)
         layout = Placement(cfg)
-        trainer = start_trainer(cfg, layout, model_dir, teacher_dir, megatron_dir)
-        engines = EngineGroup(cfg, model_dir, scheduling=layout.engine)
-        ray.get(trainer.__ray_ready__.remote())
-        transport = make_transport(cfg.rollout.weight_transport, str(run_dir), cfg.rollout.verify_weight_sync)
-        evaluator = PeriodicEvaluator(cfg, model_dir, eval_path, trainer, run_dir, tokenizer)
+        trainer = engines = None
+        try:
+            trainer = start_trainer(cfg, layout, model_dir, teacher_dir, megatron_dir)
+            engines = EngineGroup(cfg, model_dir, scheduling=layout.engine)
+            ray.get(trainer.__ray_ready__.remote())
+            transport = make_transport(cfg.rollout.weight_transport, str(run_dir), cfg.rollout.verify_weight_sync)
+            evaluator = PeriodicEvaluator(cfg, model_dir, eval_path, trainer, run_dir, tokenizer)
+        except BaseException:  # what did start must not hold its CPUs/GPUs for the retry
+            if engines is not None:
+                engines.shutdown()
+            if trainer is not None:
+                kill_trainer(trainer)
+            layout.release()
+            raise
         return cls(cfg, run_dir, tokenizer, source, layout, trainer, engines, transport, evaluator, hooks or RunHooks())
 
     @property
