@@ -21,7 +21,7 @@ from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate
 from tasks.promote import PromotionRolledBack, promote
 from tasks.publish import register_model, upload_artifacts
-from tasks.train import jobs_client, train
+from tasks.train import train
 
 
 class StageTimer:
@@ -78,7 +78,7 @@ def _stop_driver_jobs(flow, flow_run, state) -> None:
     """on_cancellation: a driver Ray Job must not go on training after its flow run."""
     cfg, run_key = _hook_context(flow_run)
     if cfg.placement.driver == "ray_job":
-        stopped = ray_jobs.stop_live(jobs_client(cfg.placement), run_key)
+        stopped = ray_jobs.stop_live(ray_jobs.jobs_client(cfg.placement), run_key)
         flow_run_logger(flow_run, flow).info("flow run cancelled: stopped driver jobs %s", stopped)
 
 

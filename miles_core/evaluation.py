@@ -1,8 +1,10 @@
 """Held-out evaluation through the same engine code that generates rollouts.
 
 `evaluate_dataset` samples n responses per prompt and reports pass@k with the unbiased
-estimator of Chen et al. (2021), `evaluate_all` covers every dataset of a recipe, and
-`run_external_eval` delegates to a user command (eval.mode=external_command).
+estimator of Chen et al. (2021), `evaluate_all` covers every dataset of a recipe,
+`evaluate_on_engines` runs it on rollout engines in the Ray cluster (what the flows do: SGLang
+on GPU clusters, the embedded engine locally), and `run_external_eval` delegates to a user
+command (eval.mode=external_command).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import shlex
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +138,46 @@ def evaluate_all(cfg: RunConfig, model_dir: str | Path | None, default_eval_path
             max_new_tokens=ds.max_new_tokens or e.max_new_tokens, batch_size=e.batch_size,
             pass_k=e.pass_k, seed=cfg.seed)
     return results
+
+
+class EngineGroupEval:
+    """The `engine.generate(...)` that evaluation expects, spread over an EngineGroup's
+    healthy engines (one shard per engine, sent concurrently)."""
+
+    def __init__(self, engines: Any, tokenizer: Any):
+        self.engines, self.tokenizer = engines, tokenizer
+        self.pool = ThreadPoolExecutor(max_workers=max(2, engines.cfg.rollout.num_engines), thread_name_prefix="eval")
+
+    def generate(self, input_ids: list[list[int]], params: dict, return_logprob: bool = False,
+                 seed: int | None = None) -> list[dict]:
+        params = dict(params) | ({} if seed is None else {"sampling_seed": seed})
+        num_shards = max(1, min(len(input_ids), self.engines.num_healthy))
+        bounds = [len(input_ids) * i // num_shards for i in range(num_shards + 1)]
+        futures = [self.pool.submit(self.engines.router.generate, input_ids[lo:hi], params, return_logprob)
+                   for lo, hi in zip(bounds, bounds[1:])]
+        return [out for future in futures for out in future.result()]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def evaluate_on_engines(cfg: RunConfig, model_dir: str | Path, default_eval_path: str | Path) -> EvalResults:
+    """evaluate_all on rollout engines started for it in the Ray cluster (rollout.engine and
+    rollout.num_engines of the recipe), stopped afterwards: generation never runs in the
+    calling process, which on a cluster has no GPU. external_command evals run the command."""
+    if cfg.eval.mode == "external_command":
+        return evaluate_all(cfg, model_dir, default_eval_path)
+    from transformers import AutoTokenizer
+
+    from miles_core.rollout.engine_group import EngineGroup
+
+    engines = EngineGroup(cfg, str(model_dir))
+    client = EngineGroupEval(engines, AutoTokenizer.from_pretrained(str(model_dir)))
+    try:
+        return evaluate_all(cfg, model_dir, default_eval_path, engine=client)
+    finally:
+        client.close()
+        engines.shutdown()
 
 
 def _tail(text: str | bytes | None, chars: int = 2000) -> str:

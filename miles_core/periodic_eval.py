@@ -26,33 +26,13 @@ import ray
 from miles_core import evaluation
 from miles_core.config import RunConfig
 from miles_core.config.rollout import ObjectStoreTransport
+from miles_core.evaluation import EngineGroupEval
 from miles_core.reports import eval_metrics
 from miles_core.rollout.engine_group import EngineGroup
 from miles_core.weights import make_transport
 
 log = logging.getLogger(__name__)
 PHASE = "periodic"
-
-
-class EngineGroupEval:
-    """The `engine.generate(...)` that evaluation expects, spread over an EngineGroup's
-    healthy engines (one shard per engine, sent concurrently)."""
-
-    def __init__(self, engines: EngineGroup, tokenizer: Any):
-        self.engines, self.tokenizer = engines, tokenizer
-        self.pool = ThreadPoolExecutor(max_workers=max(2, engines.cfg.rollout.num_engines), thread_name_prefix="eval")
-
-    def generate(self, input_ids: list[list[int]], params: dict, return_logprob: bool = False,
-                 seed: int | None = None) -> list[dict]:
-        params = dict(params) | ({} if seed is None else {"sampling_seed": seed})
-        num_shards = max(1, min(len(input_ids), self.engines.num_healthy))
-        bounds = [len(input_ids) * i // num_shards for i in range(num_shards + 1)]
-        futures = [self.pool.submit(self.engines.router.generate, input_ids[lo:hi], params, return_logprob)
-                   for lo, hi in zip(bounds, bounds[1:])]
-        return [out for future in futures for out in future.result()]
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
 
 
 class PeriodicEvaluator:

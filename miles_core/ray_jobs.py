@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from ray.job_submission import JobStatus, JobSubmissionClient
 
+from miles_core.config import PlacementConfig
 from miles_core.driver import TrainResult, TrainSpec
 from miles_core.errors import InfrastructureError, is_retryable_class
 
@@ -39,6 +41,15 @@ class DriverJobLost(InfrastructureError):
 
 class DriverJobFailed(RuntimeError):
     """The driver raised a non-infrastructure error (bad input, a bug): not retried."""
+
+
+def jobs_client(placement: PlacementConfig) -> TimeoutJobClient:
+    """The cluster's Jobs API client: placement.ray_jobs_address, else RAY_API_SERVER_ADDRESS."""
+    address = placement.ray_jobs_address or os.environ.get("RAY_API_SERVER_ADDRESS")
+    if not address:
+        raise ValueError("placement.driver=ray_job needs the cluster's Jobs API: set placement.ray_jobs_address "
+                         "(e.g. http://head:8265) or RAY_API_SERVER_ADDRESS (`miles stack up` sets it)")
+    return TimeoutJobClient(address)
 
 
 class TimeoutJobClient(JobSubmissionClient):

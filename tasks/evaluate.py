@@ -7,13 +7,14 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from miles_core.config import RunConfig
-from miles_core.evaluation import EvalResults, evaluate_all
+from miles_core.evaluation import EvalResults, evaluate_on_engines
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate(cfg: RunConfig, model_dir: str, eval_path: str, phase: str) -> EvalResults:
-    """{dataset name: result}; "heldout" is data.eval_path (or the built-in split)."""
-    results = evaluate_all(cfg, model_dir, eval_path)
+    """{dataset name: result}; "heldout" is data.eval_path (or the built-in split). Generation
+    runs on rollout engines in the Ray cluster (ensure-ray ran before)."""
+    results = evaluate_on_engines(cfg, model_dir, eval_path)
     for name, result in results.items():
         get_run_logger().info("eval %s %s: pass@1 %.3f on %s prompts", phase, name, result["pass@1"],
                               result.get("num_prompts", "?"))

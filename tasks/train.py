@@ -3,7 +3,6 @@ retry resumes from the latest checkpoint, or re-attaches to the run's live drive
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ def _train_as_ray_job(spec: TrainSpec, placement: PlacementConfig) -> TrainResul
     logger = get_run_logger()
     if not spec.run_key:
         raise ValueError("placement.driver=ray_job needs the run key (TrainSpec.run_key)")
-    client = jobs_client(placement)
+    client = ray_jobs.jobs_client(placement)
     driver_dir = Path(spec.run_dir, "driver")
     driver_dir.mkdir(parents=True, exist_ok=True)
     python = placement.job_python or sys.executable
@@ -47,11 +46,3 @@ def _train_as_ray_job(spec: TrainSpec, placement: PlacementConfig) -> TrainResul
         raise
     # The driver logged its progress, resume step and upload statistics itself (in the streamed job log).
     return ray_jobs.outcome(sid, status, files)
-
-
-def jobs_client(placement: PlacementConfig) -> ray_jobs.TimeoutJobClient:
-    address = placement.ray_jobs_address or os.environ.get("RAY_API_SERVER_ADDRESS")
-    if not address:
-        raise ValueError("placement.driver=ray_job needs the cluster's Jobs API: set placement.ray_jobs_address "
-                         "(e.g. http://head:8265) or RAY_API_SERVER_ADDRESS (`miles stack up` sets it)")
-    return ray_jobs.TimeoutJobClient(address)

@@ -32,30 +32,35 @@ def tiny_moe_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def warm_tiny(tmp_path_factory) -> dict:
+def shared_work_dir(tmp_path_factory) -> Path:
+    """One storage.work_dir for the session: the default recipe's cached stages (built-in model,
+    data, SFT warm-up) are built once, by `warm_tiny` or the first e2e run, and reused by all,
+    as runs on one machine reuse them."""
+    return tmp_path_factory.mktemp("shared-work")
+
+
+@pytest.fixture(scope="session")
+def warm_tiny(shared_work_dir) -> dict:
     """The tiny model after the default recipe's SFT warm-up (configs/local.yaml, real Ray
     trainer actor), with the built-in task's data: for every test that needs a model that
-    already scores. Built once per session; {"cfg", "base", "warm", "train", "eval"}."""
+    already scores. Built once per session, where the e2e runs find it;
+    {"cfg", "base", "warm", "train", "eval", "result"}."""
     import ray
     import yaml
-    from transformers import AutoTokenizer
 
+    from miles_core import artifacts
     from miles_core.config import build_config
-    from miles_core.data import read_prompts, write_arithmetic_task
-    from miles_core.tiny import build_tiny_model
-    from miles_core.warmup import run_sft_warmup
 
-    root = tmp_path_factory.mktemp("warm")
-    cfg = build_config(yaml.safe_load((REPO / "configs/local.yaml").read_text()))
-    base = build_tiny_model(cfg.model.tiny, root / "base")
-    train, held_out = write_arithmetic_task(cfg.data.builtin, root / "data")
-    tokenizer = AutoTokenizer.from_pretrained(base)
+    cfg = build_config(yaml.safe_load((REPO / "configs/local.yaml").read_text()),
+                       [f"storage.work_dir={shared_work_dir}"])
+    model, data = artifacts.prepare_model(cfg), artifacts.prepare_data(cfg)
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
-        warm = run_sft_warmup(cfg, str(base), read_prompts(train, cfg.data, tokenizer), tokenizer, root / "warm")
+        warm = artifacts.warm_up(cfg, model, data)
     finally:
         if started:
             ray.shutdown()
-    return {"cfg": cfg, "base": base, "warm": warm.model_dir, "train": train, "eval": held_out, "result": warm}
+    return {"cfg": cfg, "base": Path(model.model_dir), "warm": Path(warm.model_dir), "train": Path(data.train_path),
+            "eval": Path(data.eval_path), "result": warm}

@@ -17,7 +17,7 @@ STEPS = 200  # configs/local.yaml
 
 
 @pytest.fixture(scope="module")
-def finished_run(isolated, e2e_work_dir):
+def finished_run(isolated, shared_work_dir):
     run_dir, sets = isolated.dir / "run", isolated.sets
     # Runs get their Prefect home under the work dir (other tests may set PREFECT_* here).
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
@@ -26,7 +26,7 @@ def finished_run(isolated, e2e_work_dir):
            *[x for o in sets for x in ("--set", o)]]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return e2e_work_dir, run_dir, json.loads((run_dir / "summary.json").read_text()), proc.stdout + proc.stderr
+    return shared_work_dir, run_dir, json.loads((run_dir / "summary.json").read_text()), proc.stdout + proc.stderr
 
 
 def greedy_accuracy(model_dir, eval_path) -> float:

@@ -71,8 +71,8 @@ def drive(work: str, own: str, out_json: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(e2e_work_dir, isolated):
-    work, own = e2e_work_dir, isolated.dir
+def runs(shared_work_dir, isolated):
+    work, own = shared_work_dir, isolated.dir
     out = own / "result.json"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)

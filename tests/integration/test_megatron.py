@@ -4,8 +4,6 @@ TP1 -> TP2 resume, and the MegatronTrainer learning. Needs the `megatron` extra.
 from __future__ import annotations
 
 import json
-import random
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,24 +12,16 @@ import torch
 pytest.importorskip("megatron.core")
 
 from miles_core.config import AlgorithmConfig, TinyModelConfig, TrainingConfig
-from miles_core.data import Sample
 from miles_core.tiny import build_tiny_model
 from miles_core.training.megatron import mapping
 from miles_core.training.megatron.model import model_shape
+from tests.support import max_abs_diff, random_samples, with_tokenizer
 
 LOGIT_TOL = 1e-4
 RESUME_TOL = 1e-5
 
 
 # ---- fixtures: a tied Qwen3, an untied Qwen2 with qkv biases, a tiny Qwen3-MoE ---------------------
-def _with_tokenizer(model, source: Path, out: Path) -> Path:
-    model.save_pretrained(out)
-    for path in source.iterdir():
-        if path.name not in ("config.json", "generation_config.json", "model.safetensors"):
-            shutil.copy2(path, out / path.name)
-    return out
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     from transformers import (
@@ -62,8 +52,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
                                              tie_word_embeddings=False, **dims))
     torch.manual_seed(3)
     llama = LlamaForCausalLM(LlamaConfig(intermediate_size=128, tie_word_embeddings=False, rope_theta=5e5, **dims))
-    return {"qwen3": qwen3, "qwen2": _with_tokenizer(qwen2, qwen3, root / "qwen2"),
-            "moe": _with_tokenizer(moe, qwen3, root / "moe"), "llama": _with_tokenizer(llama, qwen3, root / "llama"),
+    return {"qwen3": qwen3, "qwen2": with_tokenizer(qwen2, qwen3, root / "qwen2"),
+            "moe": with_tokenizer(moe, qwen3, root / "moe"), "llama": with_tokenizer(llama, qwen3, root / "llama"),
             "root": root}
 
 
@@ -77,17 +67,6 @@ def _disk_weights(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
-
-
-def _samples(n: int = 8, seed: int = 0) -> list[Sample]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(5, 80) for _ in range(rng.randrange(4, 8))]
-        response = [rng.randrange(5, 80) for _ in range(rng.randrange(2, 6))]
-        out.append(Sample(prompt_index=i // 2, prompt_ids=prompt, response_ids=response, label="",
-                          reward=float(i % 2), rollout_logprobs=[-2.0] * len(response)))
-    return out
 
 
 TRAINING = dict(lr=3e-3, micro_batch_size=4, num_threads=1)
@@ -193,7 +172,7 @@ def test_trainer_learns_and_saves_at_tp1(models):
         fsdp = FSDPTrainer(str(models["qwen3"]), training, algorithm, group_size=2)
         assert trainer.weights_sha256() == weights_sha256(fsdp.hf_state_dict())
         fsdp.close()
-        samples = _samples()
+        samples = random_samples()
         losses = [trainer.sft_step(samples) for _ in range(4)]
         assert losses[-1] < losses[0] - 0.3, losses
         before_rl = trainer.weights_sha256()
@@ -202,7 +181,7 @@ def test_trainer_learns_and_saves_at_tp1(models):
         assert metrics["train/grad_norm"] > 0 and trainer.weights_sha256() != before_rl  # the RL step updated
         ckpt = models["root"] / "tp1_state"
         trainer.save_state(ckpt, {"step": 5})
-        fixed = _samples(seed=7)
+        fixed = random_samples(seed=7)
         reference = {"logp_before": trainer.compute_logprobs(fixed), "sft_loss": trainer.sft_step(fixed),
                      "logp_after": trainer.compute_logprobs(fixed)}
         (models["root"] / "tp1_reference.json").write_text(json.dumps(reference))
@@ -217,7 +196,7 @@ def test_trainer_ppo_critic_trains_and_checkpoints(models, tmp_path):
     trainer = MegatronTrainer(str(models["qwen3"]), TrainingConfig(**TRAINING), algorithm, group_size=2)
     try:
         initial_head = trainer.value_head.score.weight.detach().clone()
-        metrics = [trainer.train_step(_samples()) for _ in range(2)]
+        metrics = [trainer.train_step(random_samples()) for _ in range(2)]
         assert all("train/value_loss" in m and m["train/value_loss"] == m["train/value_loss"] for m in metrics)
         head = trainer.value_head.score.weight.detach().clone()
         assert not torch.equal(head, initial_head)  # the critic trained
@@ -235,7 +214,7 @@ SHIFT = 0.3  # the behaviour policy (rollout) gave each sampled token e^-0.3 of 
 def _step_with_shifted_rollout(trainer_cls, model_dir: Path, algorithm: AlgorithmConfig) -> dict[str, float]:
     trainer = trainer_cls(str(model_dir), TrainingConfig(**TRAINING), algorithm, group_size=2)
     try:
-        samples = _samples()
+        samples = random_samples()
         for sample, logp in zip(samples, trainer.compute_logprobs(samples)):
             sample.rollout_logprobs = [x - SHIFT for x in logp]
         return trainer.train_step(samples)
@@ -301,14 +280,10 @@ def _tp2_rank(rank: int, world_size: int, paths: dict[str, str]) -> dict:
     trainer = MegatronTrainer(paths["qwen3"], TrainingConfig(**TRAINING),
                               AlgorithmConfig(name="grpo", entropy_coef=0.01), group_size=2, megatron={"tp": 2})
     extra = trainer.load_state(paths["tp1_state"])
-    fixed = _samples(seed=7)
+    fixed = random_samples(seed=7)
     result.update(extra=extra, logp_before=trainer.compute_logprobs(fixed), sft_loss=trainer.sft_step(fixed),
                   logp_after=trainer.compute_logprobs(fixed), step=trainer.step)
     return result
-
-
-def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
 def test_tp2_logits_shards_conversion_and_tp1_resume(models):
@@ -329,9 +304,9 @@ def test_tp2_logits_shards_conversion_and_tp1_resume(models):
     # TP=1 checkpoint resumed at TP=2: same log-probs, same loss, same update (optimizer moments)
     reference = json.loads((models["root"] / "tp1_reference.json").read_text())
     assert result["extra"] == {"step": 5} and result["step"] == 6
-    assert _max_diff(result["logp_before"], reference["logp_before"]) <= RESUME_TOL
+    assert max_abs_diff(result["logp_before"], reference["logp_before"]) <= RESUME_TOL
     assert abs(result["sft_loss"] - reference["sft_loss"]) <= RESUME_TOL
-    assert _max_diff(result["logp_after"], reference["logp_after"]) <= RESUME_TOL
+    assert max_abs_diff(result["logp_after"], reference["logp_after"]) <= RESUME_TOL
 
 
 # ---- EP=2: two gloo processes, each with half of the experts; dense weights data-parallel -------------
@@ -352,9 +327,9 @@ def _moe_run(trainer, state_dir: str) -> dict:
     def weights() -> dict[str, torch.Tensor]:  # copies: on CPU the tensors may share the parameters' storage
         return {k: v.clone() for k, v in trainer.hf_state_dict().items()}
 
-    out = {"initial": weights(), "logp_before": trainer.compute_logprobs(_samples())}
-    out["metrics"] = trainer.train_step(_samples())
-    out |= {"final": weights(), "logp_after": trainer.compute_logprobs(_samples())}
+    out = {"initial": weights(), "logp_before": trainer.compute_logprobs(random_samples())}
+    out["metrics"] = trainer.train_step(random_samples())
+    out |= {"final": weights(), "logp_after": trainer.compute_logprobs(random_samples())}
     trainer.save_state(state_dir, {"step": 1})
     return out
 
@@ -366,7 +341,7 @@ def _ep2_rank(rank: int, world_size: int, paths: dict[str, str]) -> dict:
         local = {mapping.local_expert_index(n) for n in trainer.model.state_dict()} - {None}
         result = {"local_experts": sorted(local), **_moe_run(trainer, paths["ep2_state"])}
         trainer.load_state(paths["ep1_state"])  # written at ep=1
-        result["resumed_logp"] = trainer.compute_logprobs(_samples(seed=7))
+        result["resumed_logp"] = trainer.compute_logprobs(random_samples(seed=7))
         return result
     finally:
         trainer.close()
@@ -379,7 +354,7 @@ def test_ep2_trains_like_ep1_and_checkpoints_across_ep_sizes(models, tmp_path):
     trainer = _moe_trainer(paths["moe"], ep=1)
     try:
         reference = _moe_run(trainer, paths["ep1_state"])
-        reference["resumed_logp"] = trainer.compute_logprobs(_samples(seed=7))
+        reference["resumed_logp"] = trainer.compute_logprobs(random_samples(seed=7))
     finally:
         trainer.close()
     result = run_spawned(_ep2_rank, 2, paths)
@@ -387,15 +362,15 @@ def test_ep2_trains_like_ep1_and_checkpoints_across_ep_sizes(models, tmp_path):
     # weight sync / export gathers every rank's experts: bit-exact HF weights
     assert set(result["initial"]) == set(reference["initial"])
     assert all(torch.equal(result["initial"][k], v) for k, v in reference["initial"].items())
-    assert _max_diff(result["logp_before"], reference["logp_before"]) <= EP_TOL
+    assert max_abs_diff(result["logp_before"], reference["logp_before"]) <= EP_TOL
     for key in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm"):
         assert result["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-4, abs=1e-6), key
     # the same update: expert gradients from both ranks' tokens, dense gradients summed over dp
     assert all(torch.allclose(result["final"][k], v, atol=EP_TOL) for k, v in reference["final"].items())
     assert not torch.equal(result["final"]["model.embed_tokens.weight"], result["initial"]["model.embed_tokens.weight"])
-    assert _max_diff(result["logp_after"], reference["logp_after"]) <= EP_TOL
+    assert max_abs_diff(result["logp_after"], reference["logp_after"]) <= EP_TOL
     # an ep=1 checkpoint resumes at ep=2, and an ep=2 checkpoint at ep=1
-    assert _max_diff(result["resumed_logp"], reference["resumed_logp"]) <= EP_TOL
+    assert max_abs_diff(result["resumed_logp"], reference["resumed_logp"]) <= EP_TOL
     trainer = _moe_trainer(paths["moe"], ep=1)
     try:
         assert trainer.load_state(paths["ep2_state"]) == {"step": 1}

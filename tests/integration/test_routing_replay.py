@@ -26,7 +26,7 @@ from miles_core.config import (
 )
 from miles_core.data import Prompt, Sample
 from miles_core.tiny import build_tiny_model
-from tests.integration.test_megatron import _with_tokenizer
+from tests.support import with_tokenizer
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K = 2, 8, 2
 # The trainer's router weights get noise of ROUTER_NOISE x their std: it flips the top-k of some
@@ -54,7 +54,7 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         for layer in moe.model.layers:
             for param in layer.mlp.experts.parameters():
                 param.normal_(std=EXPERT_STD)
-    return {"dense": dense, "moe": _with_tokenizer(moe, dense, root / "moe")}
+    return {"dense": dense, "moe": with_tokenizer(moe, dense, root / "moe")}
 
 
 @pytest.fixture(scope="module")

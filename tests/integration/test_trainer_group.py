@@ -22,7 +22,7 @@ from miles_core.data import write_arithmetic_task
 from miles_core.driver import TrainSpec, run_training
 from miles_core.trainer_group import kill_trainer, start_trainer_group
 from miles_core.training.megatron.trainer import MegatronTrainer
-from tests.integration.test_megatron import _max_diff, _samples
+from tests.support import max_abs_diff, random_samples
 
 GROUP_TOL = 1e-4
 ON_POLICY_TOL = 1e-4
@@ -48,7 +48,7 @@ def _group(trainer_type: type, model_dir) -> object:
 
 
 def test_tp2_group_logprobs_equal_one_tp1_trainer(ray_local, tiny_model_dir):
-    samples = _samples(6, seed=3)
+    samples = random_samples(6, seed=3)
     single = ray.remote(num_cpus=1)(MegatronTrainer).remote(str(tiny_model_dir), _training(1),
                                                            AlgorithmConfig(name="grpo"), group_size=2)
     reference = ray.get(single.compute_logprobs.remote(samples))
@@ -57,7 +57,7 @@ def test_tp2_group_logprobs_equal_one_tp1_trainer(ray_local, tiny_model_dir):
     try:
         got = ray.get(group.compute_logprobs.remote(samples))
         assert [len(r) for r in got] == [len(s.response_ids) for s in samples]
-        assert _max_diff(got, reference) <= GROUP_TOL
+        assert max_abs_diff(got, reference) <= GROUP_TOL
         # bad input raises on every rank: one exception from the one ref, and the group is gone
         with pytest.raises(AttributeError):
             ray.get(group.compute_logprobs.remote([None]), timeout=60)

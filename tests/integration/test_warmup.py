@@ -38,8 +38,8 @@ def probe_score(cfg, model_dir, probe) -> float:
 def test_recipe_warmup_reaches_its_target_on_held_out_probe_prompts(warm_tiny):
     cfg, result = warm_tiny["cfg"], warm_tiny["result"]
     assert cfg.warmup.target_pass_at_1 is not None  # the default recipe stops on quality, not a step count
-    assert result.reached_target and result.steps < cfg.warmup.sft_steps
-    assert result.steps % cfg.warmup.check_interval_steps == 0
+    assert result.reached_target and result.sft_steps < cfg.warmup.sft_steps
+    assert result.sft_steps % cfg.warmup.check_interval_steps == 0
     prompts, _ = prompts_of(warm_tiny)
     train, probe = split_probe(cfg, prompts)
     assert len(probe) == cfg.warmup.num_probe_prompts and not {p.index for p in probe} & {p.index for p in train}
