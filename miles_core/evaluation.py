@@ -55,11 +55,11 @@ def _generate_all(engine, prompts: list[Prompt], params: dict, num_samples: int,
     """num_samples response texts per prompt; a batch holds batch_size sequences."""
     flat = [p for p in prompts for _ in range(num_samples)]
     texts: list[str] = []
-    for batch_no, start in enumerate(range(0, len(flat), batch_size)):
+    for start in range(0, len(flat), batch_size):
         chunk = flat[start : start + batch_size]
-        # A distinct, reproducible seed per batch (same seed -> same samples on a rerun); no seed
-        # argument at all when unseeded, for engines whose generate() takes none.
-        seeding = {} if seed is None else {"seed": seed + batch_no}
+        # Row i of the batch samples with seed + i: a distinct, reproducible seed per sequence
+        # (same seed -> same samples on a rerun); no seed argument for engines that take none.
+        seeding = {} if seed is None else {"seed": seed + start}
         outputs = engine.generate([p.input_ids for p in chunk], params, return_logprob=False, **seeding)
         texts.extend(out["text"] for out in outputs)
     return [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
@@ -150,10 +150,11 @@ class EngineGroupEval:
 
     def generate(self, input_ids: list[list[int]], params: dict, return_logprob: bool = False,
                  seed: int | None = None) -> list[dict]:
-        params = dict(params) | ({} if seed is None else {"sampling_seed": seed})
+        """Row i samples with seed + i (one sampling_seed per request, as SGLang takes them)."""
+        per_row = [params if seed is None else params | {"sampling_seed": seed + i} for i in range(len(input_ids))]
         num_shards = max(1, min(len(input_ids), self.engines.num_healthy))
         bounds = [len(input_ids) * i // num_shards for i in range(num_shards + 1)]
-        futures = [self.pool.submit(self.engines.router.generate, input_ids[lo:hi], params, return_logprob)
+        futures = [self.pool.submit(self.engines.router.generate, input_ids[lo:hi], per_row[lo:hi], return_logprob)
                    for lo, hi in zip(bounds, bounds[1:])]
         return [out for future in futures for out in future.result()]
 

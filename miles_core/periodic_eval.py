@@ -25,7 +25,7 @@ import ray
 
 from miles_core import evaluation
 from miles_core.config import RunConfig
-from miles_core.config.rollout import ObjectStoreTransport
+from miles_core.config.rollout import DiskTransport, ObjectStoreTransport
 from miles_core.evaluation import EngineGroupEval
 from miles_core.reports import eval_metrics
 from miles_core.rollout.engine_group import EngineGroup
@@ -51,9 +51,10 @@ class PeriodicEvaluator:
             eval_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
                 update={"num_engines": cfg.eval.num_dedicated_engines})})
             self.dedicated = EngineGroup(eval_cfg, model_dir)
-            # Object store: a second broadcast group to other engines would rebuild the
-            # rollout group's communicator at every eval.
-            self.transport = make_transport(ObjectStoreTransport(), str(run_dir), cfg.rollout.verify_weight_sync)
+            # Not a broadcast: a second group to other engines would rebuild the rollout group's
+            # communicator at every eval. SGLang takes no tensors in-process, so it loads from disk.
+            kind = DiskTransport() if cfg.rollout.engine.kind == "sglang" else ObjectStoreTransport()
+            self.transport = make_transport(kind, run_dir / "eval_weight_sync", cfg.rollout.verify_weight_sync)
 
     def due(self, step: int) -> bool:
         return bool(self.interval) and step % self.interval == 0

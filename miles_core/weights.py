@@ -16,6 +16,7 @@ import torch
 
 from miles_core.config.rollout import TransportConfig
 from miles_core.rollout.sglang_client import SGLangClient
+from miles_core.weight_layout import checkpoint_layout
 
 Target = tuple[Any, str]  # (engine actor handle, engine base URL)
 
@@ -83,12 +84,13 @@ class DiskTransport:
 
 
 class BroadcastTransport:
-    """torch.distributed broadcast from the trainer (rank 0) to every engine (ranks 1..N) over
-    a dedicated group (gloo on CPU, NCCL on GPU), in buckets; the group is rebuilt whenever
-    the set of engines changes (e.g. after a restart)."""
+    """torch.distributed broadcast from the trainer (rank 0) to every engine over a dedicated
+    group (gloo on CPU, NCCL on GPU), in buckets; the group is rebuilt whenever the set of
+    engines changes (e.g. after a restart). Each TP rank of an engine joins the group (SGLang
+    joins at rank_offset + tp_rank), so engine i's offset is 1 + the ranks of engines before it."""
 
-    def __init__(self, bucket_megabytes: int = 512, verify: bool = False, **_: Any):
-        self.bucket_bytes, self.verify = bucket_megabytes << 20, verify
+    def __init__(self, bucket_megabytes: int = 512, verify: bool = False, ranks_per_engine: int = 1, **_: Any):
+        self.bucket_bytes, self.verify, self.ranks_per_engine = bucket_megabytes << 20, verify, ranks_per_engine
         self.members: tuple[str, ...] = ()
         self.generation = 0
 
@@ -105,11 +107,12 @@ class BroadcastTransport:
                     SGLangClient(url).destroy_weights_update_group(self._group_name())
         self.generation += 1
         address, port = ray.get(trainer.weight_broadcast_endpoint.remote())
-        world, backend = len(urls) + 1, ray.get(trainer.broadcast_backend.remote())
+        offsets, world = broadcast_rank_layout(len(urls), self.ranks_per_engine)
+        backend = ray.get(trainer.broadcast_backend.remote())
         sender = trainer.open_weight_broadcast.remote(address, port, world, self._group_name())
         with ThreadPoolExecutor(max_workers=len(urls)) as pool:
             results = list(pool.map(lambda item: SGLangClient(item[1]).init_weights_update_group(
-                address, port, item[0] + 1, world, self._group_name(), backend), enumerate(urls)))
+                address, port, item[0], world, self._group_name(), backend), zip(offsets, urls)))
         ray.get(sender)
         _check(results, 0)
         self.members = urls
@@ -131,21 +134,31 @@ class BroadcastTransport:
                 "weights/broadcast_gbytes": sent_bytes / 1e9}
 
 
-def make_transport(config: TransportConfig, run_dir: str, verify: bool) -> WeightTransport:
-    """The transport that a `rollout.weight_transport` config names."""
+def broadcast_rank_layout(num_engines: int, ranks_per_engine: int) -> tuple[list[int], int]:
+    """(rank_offset of each engine, world size): the trainer is rank 0, then every engine's ranks."""
+    offsets = [1 + i * ranks_per_engine for i in range(num_engines)]
+    return offsets, 1 + num_engines * ranks_per_engine
+
+
+def make_transport(config: TransportConfig, sync_dir: str | Path, verify: bool,
+                   ranks_per_engine: int = 1) -> WeightTransport:
+    """The transport that a `rollout.weight_transport` config names; disk syncs write under
+    sync_dir, and broadcast groups give each engine ranks_per_engine ranks."""
     if config.kind == "object_store":
         return ObjectStoreTransport(verify=verify)
     if config.kind == "disk":
-        return DiskTransport(str(Path(run_dir) / "weight_sync"), verify=verify)
+        return DiskTransport(str(sync_dir), verify=verify)
     if config.kind == "broadcast":
-        return BroadcastTransport(config.bucket_megabytes, verify=verify)
+        return BroadcastTransport(config.bucket_megabytes, verify=verify, ranks_per_engine=ranks_per_engine)
     raise ValueError(f"unknown weight transport {config.kind!r}")
 
 
 def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str], group_name: str,
                          version: str, bucket_bytes: int) -> int:
     """Sender side (runs in the trainer): per bucket, ask every engine to receive the named
-    tensors, then broadcast them in that order. Returns the bytes sent."""
+    tensors, then broadcast them in that order. Returns the bytes sent. MoE experts go in the
+    checkpoint layout: SGLang's loaders skip fused expert names without an error."""
+    state = checkpoint_layout(state)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     names, buckets, size = list(state), [[]], 0
     for name in names:

@@ -8,9 +8,10 @@ from functools import reduce
 from operator import or_
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, field_validator
 
 from miles_core.config.base import Section
+from miles_core.rollout.sglang_args import check_server_args
 
 
 def _kind_alone(value: Any) -> Any:
@@ -34,7 +35,23 @@ class SGLangEngine(Section):
 
     kind: Literal["sglang"] = "sglang"
     server_args: dict[str, Any] = {}
-    """SGLang server args (e.g. {mem_fraction_static: 0.8}); unknown ones are dropped with a warning."""
+    """SGLang server args (e.g. {mem_fraction_static: 0.8}); one outside the table checked against
+    SGLang's source (miles_core.rollout.sglang_args) is an error. tp_size defaults to
+    rollout.gpus_per_engine. Rollout seeds reach SGLang's sampler only with
+    enable_deterministic_inference: true (otherwise samples are not reproducible)."""
+    server_module: str = "sglang.launch_server"
+    """The module run as `python -m <module>`: SGLang's server. CI runs the launcher path with
+    miles_core.rollout.http_server, the embedded engine behind the same flags."""
+
+    @field_validator("server_args")
+    @classmethod
+    def _known_server_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_server_args(value)
+
+    @property
+    def is_sglang(self) -> bool:
+        """False when CI stands the embedded server in for SGLang (no GPU needed)."""
+        return self.server_module.startswith("sglang.")
 
 
 class ObjectStoreTransport(Section):

@@ -401,8 +401,11 @@ class RunConfig(Section):
         if r.engine.kind == "sglang" and r.weight_transport.kind == "object_store":
             raise ValueError("SGLang engines run in their own process: set rollout.weight_transport=broadcast "
                              "(or disk)")
-        if r.engine.kind == "sglang" and r.gpus_per_engine == 0:
+        if r.engine.kind == "sglang" and r.engine.is_sglang and r.gpus_per_engine < 1:
             raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1")
+        if r.engine.kind == "sglang" and r.verify_weight_sync:
+            raise ValueError("rollout.verify_weight_sync compares a sha256 of the engine's weights, which SGLang "
+                             "does not serve: set rollout.verify_weight_sync=false for engine sglang")
         if self.training.backend == "megatron" and r.weight_transport.kind == "broadcast":
             raise ValueError("the Megatron trainer has no broadcast sender yet: set rollout.weight_transport=disk "
                              "(a filesystem trainer and engines share) or object_store (embedded engines)")

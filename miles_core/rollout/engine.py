@@ -11,7 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from miles_core.weight_layout import fused_layout, weights_sha256
 
@@ -31,7 +39,7 @@ class EmbeddedEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
-        self.weight_version = "0"
+        self.weight_version = "default"  # SGLang's before any update
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_id = self.tokenizer.eos_token_id
 
@@ -55,16 +63,21 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
-                 return_logprob: bool = True, seed: int | None = None,
+                 return_logprob: bool = True, seed: int | None = None, seeds: list[int] | None = None,
                  return_routed_experts: bool = False) -> list[dict[str, Any]]:
-        """return_routed_experts (MoE models): meta_info.routed_experts is a nested list
-        [len(prompt) + len(output) - 1, num_layers, top_k] of expert ids, SGLang's layout."""
-        if seed is not None:
-            torch.manual_seed(seed)
+        """seeds: one sampling seed per prompt (SGLang's per-request sampling_seed: the same
+        prompt and seed give the same sample); seed: row i samples with seed + i; neither:
+        torch's global generator. return_routed_experts (MoE models): meta_info.routed_experts
+        is a nested list [len(prompt) + len(output) - 1, num_layers, top_k] of expert ids."""
+        if seeds is None and seed is not None:
+            seeds = [seed + row for row in range(len(input_ids))]
+        if seeds is not None and len(seeds) != len(input_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(input_ids)} prompts")
         outputs = []
         for start in range(0, len(input_ids), self.max_batch_size):
             chunk = input_ids[start : start + self.max_batch_size]
-            outs = self._generate_batch(chunk, sampling_params, return_logprob)
+            chunk_seeds = None if seeds is None else seeds[start : start + self.max_batch_size]
+            outs = self._generate_batch(chunk, sampling_params, return_logprob, chunk_seeds)
             if return_routed_experts:
                 experts = self.routed_experts([ids + out["output_ids"] for ids, out in zip(chunk, outs)])
                 for out, routed in zip(outs, experts):
@@ -73,17 +86,21 @@ class EmbeddedEngine:
         return outputs
 
     def _generate_batch(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
-                        return_logprob: bool) -> list[dict[str, Any]]:
+                        return_logprob: bool, seeds: list[int] | None) -> list[dict[str, Any]]:
         temperature = float(sampling_params.get("temperature", 1.0))
         max_new_tokens = int(sampling_params.get("max_new_tokens", 16))
         greedy = temperature == 0.0
+        top_p, top_k = float(sampling_params.get("top_p", 1.0)), int(sampling_params.get("top_k", 0)) or None
         batch, attention = self._left_pad(input_ids)
         stop_ids = [] if sampling_params.get("ignore_eos") else [self.eos_id]
+        seeded = seeds is not None and not greedy
+        processors = LogitsProcessorList([SeededSampling(seeds, temperature, top_p, top_k)] if seeded else [])
+        sample_in_hf = not greedy and not seeded  # a seeded sample is the argmax of SeededSampling's scores
         config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else temperature,
-            top_p=None if greedy else float(sampling_params.get("top_p", 1.0)),
-            top_k=None if greedy else int(sampling_params.get("top_k", 0)) or None,
+            do_sample=sample_in_hf,
+            temperature=temperature if sample_in_hf else None,
+            top_p=top_p if sample_in_hf else None,
+            top_k=top_k if sample_in_hf else None,
             max_new_tokens=max_new_tokens,
             eos_token_id=[*stop_ids, *sampling_params.get("stop_token_ids", [])] or None,
             pad_token_id=self.pad_id,
@@ -91,7 +108,8 @@ class EmbeddedEngine:
             output_logits=return_logprob and not self.fast,
             cache_implementation="static" if self.fast else None,
         )
-        out = self.model.generate(input_ids=batch, attention_mask=attention, generation_config=config)
+        out = self.model.generate(input_ids=batch, attention_mask=attention, generation_config=config,
+                                  logits_processor=processors)
         new_tokens = out.sequences[:, batch.shape[1]:]
         logprobs = None
         if return_logprob:
@@ -187,3 +205,25 @@ class EmbeddedEngine:
             meta["output_token_logprobs"] = [[float(logprobs[row, i]), t, None] for i, t in enumerate(ids)]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+class SeededSampling(LogitsProcessor):
+    """Sampling with one generator per row, as SGLang samples each request with its own
+    sampling_seed: temperature, top-k and top-p, then Gumbel noise from the row's generator,
+    so that the argmax of the returned scores (greedy decoding) is a sample of the row's
+    distribution. A row's draws depend only on its seed and the decode step, not on the batch."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float = 1.0, top_k: int | None = None):
+        self.seeds, self.temperature = seeds, temperature
+        self.warpers = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+        self.generators: list[torch.Generator] | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.generators is None:
+            self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
+        scores = scores.float() / self.temperature
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device)
+                               for g in self.generators])
+        return scores - torch.log(-torch.log(uniform))

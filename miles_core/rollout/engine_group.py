@@ -24,28 +24,50 @@ from miles_core.rollout.sglang_client import SGLangClient, SGLangLauncher
 log = logging.getLogger(__name__)
 
 
-def launch_engine(engine: EngineConfig, model_dir: str, host: str, dtype: str, num_threads: int) -> RolloutEngine:
+# The version an engine serves before the first sync: the model it was started from. SGLang
+# would otherwise start at "default", which no rollout of the run's versions matches.
+INITIAL_WEIGHT_VERSION = "0"
+
+
+def engine_tp_size(engine: EngineConfig, gpus_per_engine: float) -> int:
+    """Ranks one engine has in a weight-update group (SGLang joins each TP rank)."""
+    if engine.kind != "sglang":
+        return 1
+    return int(engine.server_args.get("tp_size", max(1, int(gpus_per_engine))))
+
+
+def launch_engine(engine: EngineConfig, model_dir: str, host: str, dtype: str, num_threads: int,
+                  gpus_per_engine: float) -> RolloutEngine:
     """Start the configured engine (`rollout.engine`) on `host` (a free port) and return once it
     serves: the embedded engine in this process, or SGLang as a child process (GPU clusters)."""
     if engine.kind == "sglang":
-        launcher = SGLangLauncher(model_dir, {"dtype": dtype, **engine.server_args}, host=host)
+        server_args = {"dtype": dtype, "weight_version": INITIAL_WEIGHT_VERSION,
+                       **engine.server_args, "tp_size": engine_tp_size(engine, gpus_per_engine)}
+        launcher = SGLangLauncher(model_dir, server_args, host=host, module=engine.server_module)
         launcher.start()
         return launcher
     from miles_core.rollout.http_server import serve  # torch and transformers: engine processes only
 
-    return serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads)
+    return serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads,
+                 weight_version=INITIAL_WEIGHT_VERSION)
 
 
 class EngineActor:
     """Hosts one rollout engine in a Ray worker; callers reach it over HTTP at `url()`, and
     through this actor for what HTTP does not carry (see interface.py)."""
 
-    def __init__(self, model_dir: str, dtype: str, num_threads: int, bind_host: str, engine: EngineConfig):
+    def __init__(self, model_dir: str, dtype: str, num_threads: int, bind_host: str, engine: EngineConfig,
+                 gpus_per_engine: float):
         host = ray.util.get_node_ip_address() if bind_host == "node_ip" else "127.0.0.1"
-        self.engine = launch_engine(engine, model_dir, host, dtype, num_threads)
+        self.engine = launch_engine(engine, model_dir, host, dtype, num_threads, gpus_per_engine)
 
     def url(self) -> str:
         return self.engine.url
+
+    def stop(self) -> None:
+        """Stop the server (and, for SGLang, its whole process group). ray.kill runs no shutdown
+        hook, so EngineGroup calls this before killing the actor."""
+        self.engine.stop()
 
     def __ray_shutdown__(self) -> None:
         self.engine.stop()
@@ -77,7 +99,13 @@ class EngineGroup:
     def _start(self, rank: int):
         r = self.cfg.rollout
         return self.actor_cls.options(name=None, **self.scheduling(rank)).remote(
-            self.model_dir, self.cfg.model.dtype, self.cfg.training.num_threads, r.bind_host, r.engine)
+            self.model_dir, self.cfg.model.dtype, self.cfg.training.num_threads, r.bind_host, r.engine,
+            r.gpus_per_engine)
+
+    @property
+    def tp_size(self) -> int:
+        """Weight-update group ranks per engine."""
+        return engine_tp_size(self.cfg.rollout.engine, self.cfg.rollout.gpus_per_engine)
 
     def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any], **extra: Any) -> list[dict]:
         """extra: further /generate request fields, e.g. return_routed_experts=True."""
@@ -101,7 +129,7 @@ class EngineGroup:
         replaced = self.dead_ranks()
         for rank in replaced:
             log.warning("engine %d at %s is down; restarting it", rank, self.urls[rank])
-            ray.kill(self.actors[rank], no_restart=True)
+            _stop_actor(self.actors[rank])
             self.actors[rank] = self._start(rank)
             self.urls[rank] = ray.get(self.actors[rank].url.remote())
             self.router.replace_client(rank, SGLangClient(self.urls[rank],
@@ -121,4 +149,14 @@ class EngineGroup:
     def shutdown(self) -> None:
         self.router.close()
         for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+            _stop_actor(actor)
+
+
+def _stop_actor(actor: Any, timeout_seconds: float = 60.0) -> None:
+    """Stop the actor's server, then kill the actor. A hung or dead actor is killed anyway
+    (its SGLang server then gets SIGTERM from the parent-death signal set at launch)."""
+    try:
+        ray.get(actor.stop.remote(), timeout=timeout_seconds)
+    except (ray.exceptions.RayError, TimeoutError) as exc:  # fault boundary: the kill below still runs
+        log.warning("engine actor did not stop cleanly (%s); killing it", type(exc).__name__)
+    ray.kill(actor, no_restart=True)

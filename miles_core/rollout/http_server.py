@@ -34,7 +34,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from miles_core.net import init_custom_process_group
 from miles_core.rollout.engine import EmbeddedEngine
-from miles_core.rollout.sglang_client import KNOWN_SERVER_ARGS
+from miles_core.rollout.sglang_args import SERVER_ARGS
 from miles_core.weight_layout import checkpoint_layout
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,10 @@ DTYPES = {"auto": "float32", "float": "float32", "half": "float16"}
 # What EmbeddedEngine honours; other SGLang sampling params (stop strings, min_p, penalties,
 # min_new_tokens) are accepted and ignored, with one warning per key.
 SUPPORTED_SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"}
+# SGLang's weight version before any update names none of the run's versions.
+SGLANG_START_VERSION = "default"
+# A seedless request in a seeded batch gets SGLang's deterministic-sampling default.
+SGLANG_DEFAULT_SEED = 42
 
 
 class _Request:
@@ -91,6 +95,9 @@ class EngineService:
         self.current: _Request | None = None
         self.requests: dict[int, _Request] = {}
         self.paused = False
+        self.stale_cache_version: str | None = None
+        """Set when weights changed with flush_cache=false: SGLang's radix cache would then serve
+        KV computed with the old weights, so generation is refused until /flush_cache."""
         self.groups: dict[str, Any] = {}
         self.warned_params: set[str] = set()
 
@@ -99,8 +106,7 @@ class EngineService:
     def load(self) -> None:
         try:
             engine = EmbeddedEngine(self.model_path, dtype=self.dtype, num_threads=self.num_threads)
-            if self.initial_version is not None:
-                engine.weight_version = str(self.initial_version)
+            engine.weight_version = str(self.initial_version or SGLANG_START_VERSION)
             _install_abort_hook(engine, _AbortCriteria(self))
             self.engine = engine
         except BaseException as exc:  # surfaced by wait_ready / the health endpoint's log
@@ -144,7 +150,10 @@ class EngineService:
     # ---- generation (worker thread) -------------------------------------------------------
 
     def generate(self, req: _Request, prompts: list[list[int]], body: dict) -> list[dict]:
-        params = self._sampling_params(body.get("sampling_params"))
+        if self.stale_cache_version is not None:
+            raise ValueError(f"weights changed to version {self.stale_cache_version} with flush_cache=false and "
+                             "the cache was not flushed since: SGLang would reuse prefix KV of the old weights")
+        params, seeds = self._sampling_params(body.get("sampling_params"), len(prompts))
         want_logprob = bool(body.get("return_logprob", False))
         start = body.get("logprob_start_len")
         with self.lock:
@@ -155,8 +164,7 @@ class EngineService:
                 if int(params["max_new_tokens"]) == 0:
                     outs = [self._empty(p, {"type": "length", "length": 0}) for p in prompts]
                 else:
-                    outs = self.engine.generate(prompts, params, return_logprob=want_logprob,
-                                                seed=params.get("sampling_seed"),
+                    outs = self.engine.generate(prompts, params, return_logprob=want_logprob, seeds=seeds,
                                                 return_routed_experts=bool(body.get("return_routed_experts")))
                 if want_logprob and start is not None and int(start) >= 0:
                     for out, prompt in zip(outs, prompts):
@@ -168,16 +176,23 @@ class EngineService:
                 out["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted by request"}
         return outs
 
-    def _sampling_params(self, params: dict | list | None) -> dict:
-        if isinstance(params, list):  # per-prompt params: one transformers call takes one set
-            if any(p != params[0] for p in params):
-                raise ValueError("per-prompt sampling_params must all be equal on the embedded engine")
-            params = params[0] if params else {}
-        params = {"max_new_tokens": 128, **(params or {})}  # 128 is SGLang's default
-        for key in sorted(set(params) - SUPPORTED_SAMPLING - self.warned_params):
+    def _sampling_params(self, params: dict | list | None, num_prompts: int) -> tuple[dict, list[int] | None]:
+        """One set of params for the batch, and the sampling seed of each prompt (None: unseeded).
+        Like SGLang, a single dict's seed applies to every prompt of the batch (so n samples of
+        one prompt with one seed are n identical samples); a list gives one set per prompt."""
+        per_prompt = params if isinstance(params, list) else [params or {}] * num_prompts
+        if len(per_prompt) != num_prompts:
+            raise ValueError(f"{len(per_prompt)} sampling_params for {num_prompts} prompts")
+        unseeded = [{k: v for k, v in p.items() if k != "sampling_seed"} for p in per_prompt]
+        if any(p != unseeded[0] for p in unseeded):  # one transformers call takes one set
+            raise ValueError("per-prompt sampling_params may differ only in sampling_seed on the embedded engine")
+        seeds = [p.get("sampling_seed") for p in per_prompt]
+        seeds = None if all(s is None for s in seeds) else [SGLANG_DEFAULT_SEED if s is None else int(s) for s in seeds]
+        merged = {"max_new_tokens": 128, **unseeded[0]}  # 128 is SGLang's default
+        for key in sorted(set(merged) - SUPPORTED_SAMPLING - self.warned_params):
             logger.warning("sampling param %r is ignored by the embedded engine", key)
             self.warned_params.add(key)
-        return params
+        return merged, seeds
 
     def _empty(self, prompt: list[int], finish: dict) -> dict:
         meta = {"finish_reason": finish, "prompt_tokens": len(prompt), "completion_tokens": 0,
@@ -196,10 +211,15 @@ class EngineService:
 
     # ---- weights (worker thread) ----------------------------------------------------------
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> dict:
-        """Copy (a subset of) HF-named tensors into the live model. Callers hold self.lock."""
-        state = self.engine.model.state_dict()  # shares storage with the parameters
-        state |= checkpoint_layout(state)  # per-expert MoE names: views into the fused experts
+    def load_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | None,
+                     flush_cache: bool = True, checkpoint_names_only: bool = True) -> dict:
+        """Copy (a subset of) HF-named tensors into the live model. Callers hold self.lock.
+        Over HTTP only checkpoint names are taken (SGLang's loaders skip transformers' fused
+        MoE expert names without an error); in-process tensors may use either layout."""
+        live = self.engine.model.state_dict()  # shares storage with the parameters
+        state = checkpoint_layout(live)  # per-expert MoE names: views into the fused experts
+        if not checkpoint_names_only:
+            state |= live
         unknown = sorted(set(tensors) - set(state))
         if unknown:
             return _result(False, f"unknown parameter names: {unknown[:5]}")
@@ -211,6 +231,7 @@ class EngineService:
                 state[name].copy_(tensor)
         if weight_version is not None:
             self.engine.weight_version = str(weight_version)
+        self.stale_cache_version = None if flush_cache else self.engine.weight_version
         return _result(True, f"updated {len(tensors)} tensors; weight version {self.engine.weight_version}")
 
     def update_from_disk(self, body: dict) -> dict:
@@ -222,7 +243,7 @@ class EngineService:
         for file in files:
             tensors.update(load_file(str(file)))
         with self.lock:
-            result = self.load_tensors(tensors, body.get("weight_version"))
+            result = self.load_tensors(tensors, body.get("weight_version"), _flush(body))
         if result["success"]:
             self.model_path = str(model_path)
         return result
@@ -247,7 +268,7 @@ class EngineService:
             for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
                 tensors[name] = torch.empty(shape, dtype=_torch_dtype(dtype), device=self.engine.device)
                 torch.distributed.broadcast(tensors[name], src=0, group=group)
-            return self.load_tensors(tensors, body.get("weight_version"))
+            return self.load_tensors(tensors, body.get("weight_version"), _flush(body))
 
     def destroy_group(self, body: dict) -> dict:
         name = body.get("group_name", "")
@@ -273,6 +294,10 @@ def _install_abort_hook(engine: EmbeddedEngine, criteria: StoppingCriteria) -> N
         return original(*args, stopping_criteria=extra, **kwargs)
 
     engine.model.generate = generate
+
+
+def _flush(body: dict) -> bool:
+    return bool(body.get("flush_cache", True))  # SGLang's default
 
 
 def _result(success: bool, message: str) -> dict:
@@ -336,7 +361,8 @@ def create_app(service: EngineService) -> FastAPI:
     @app.middleware("http")
     async def require_model(request: Request, call_next):
         # Everything but health and info needs the model; SGLang answers 503 while starting.
-        if not service.ready and request.url.path not in ("/health", "/health_generate", "/get_server_info"):
+        if not service.ready and request.url.path not in ("/health", "/health_generate", "/server_info",
+                                                          "/get_server_info"):
             return _error(503, "model not loaded yet")
         return await call_next(request)
 
@@ -349,17 +375,15 @@ def _add_info_routes(app: FastAPI, service: EngineService) -> None:
     async def health() -> Response:
         return Response(status_code=200 if service.ready else 503)
 
-    @app.get("/get_model_info")
+    @app.get("/model_info")
+    @app.get("/get_model_info")  # SGLang's deprecated alias
     async def model_info() -> dict:
         return {"model_path": service.model_path, "tokenizer_path": service.tokenizer_path,
                 "is_generation": True, "preferred_sampling_params": None,
                 "weight_version": service.engine.weight_version}
 
-    @app.get("/get_weight_version")
-    async def weight_version() -> dict:
-        return {"weight_version": service.engine.weight_version}
-
-    @app.get("/get_server_info")
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # SGLang's deprecated alias
     async def server_info() -> dict:
         version = service.engine.weight_version if service.ready else service.initial_version
         return {**service.server_args, "model_path": service.model_path,
@@ -416,8 +440,10 @@ def _add_generate_routes(app: FastAPI, service: EngineService) -> None:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         # No KV cache survives a transformers call; refuse only while a batch runs, like SGLang.
-        busy = service.current is not None
-        return Response("Cache flushed.\n", status_code=400 if busy else 200)
+        if service.current is not None:
+            return Response("Cache not flushed: requests are running.\n", status_code=400)
+        service.stale_cache_version = None
+        return Response("Cache flushed.\n", status_code=200)
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
@@ -484,7 +510,7 @@ class ServerHandle:
         """In-process tensors (the object-store transport), loaded under the engine lock so that
         a generation in progress finishes on the old weights."""
         with self.service.lock:
-            return self.service.load_tensors(named_tensors, weight_version)
+            return self.service.load_tensors(named_tensors, weight_version, checkpoint_names_only=False)
 
     def weights_sha256(self) -> str:
         return self.service.weights_sha256()
@@ -531,17 +557,18 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 0, *, toke
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """sglang.launch_server's flags: ours are honoured or accepted, unknown ones dropped with a
-    warning (a stand-in must not be stricter than the server it stands in for)."""
-    parser = argparse.ArgumentParser(prog="python -m miles_core.rollout.http_server")
+    """The sglang.launch_server flags a recipe may set (miles_core.rollout.sglang_args): ours are
+    honoured or accepted. Anything else exits with an error at start, as SGLang does."""
+    # No abbreviations: a prefix SGLang would resolve (or reject as ambiguous) is never meant.
+    parser = argparse.ArgumentParser(prog="python -m miles_core.rollout.http_server", allow_abbrev=False)
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    for key, is_flag in KNOWN_SERVER_ARGS.items():
+    for key, is_flag in SERVER_ARGS.items():
         parser.add_argument("--" + key.replace("_", "-"), action="store_true" if is_flag else "store")
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        logger.warning("dropping unknown server args: %s", " ".join(unknown))
+    args = parser.parse_args(argv)
+    if int(args.tp_size or 1) != 1:  # it would join a weight-update group with one rank, not tp_size
+        parser.error("--tp-size: the embedded engine runs one rank; use 1")
     return args
 
 

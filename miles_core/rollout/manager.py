@@ -12,6 +12,8 @@ from miles_core.config import RolloutConfig
 from miles_core.data import Prompt, Sample
 from miles_core.rewards import get_reward
 
+SEED_STRIDE = 1_000_003  # more samples than one batch will ever hold
+
 
 class RolloutManager:
     """Splits whole groups into one request per healthy engine (big batches are what make
@@ -24,18 +26,25 @@ class RolloutManager:
         self.request_extra = {"return_routed_experts": True} if return_routed_experts else {}
         self.pool = ThreadPoolExecutor(max_workers=max(2, 2 * rollout.num_engines), thread_name_prefix="rollout")
 
-    def sampling_params(self, seed: int) -> dict[str, Any]:
-        return {"temperature": self.rollout.temperature, "top_p": self.rollout.top_p,
-                "max_new_tokens": self.rollout.max_new_tokens, "sampling_seed": seed}
+    def sampling_params(self, seeds: list[int]) -> list[dict[str, Any]]:
+        """One set per sample: SGLang samples each request with its own sampling_seed, so one
+        seed shared by a group's n samples would make them n copies of one sample."""
+        shared = {"temperature": self.rollout.temperature, "top_p": self.rollout.top_p,
+                  "max_new_tokens": self.rollout.max_new_tokens}
+        return [shared | {"sampling_seed": seed} for seed in seeds]
 
     def generate(self, prompts: list[Prompt], seed: int) -> list[Sample]:
-        """n samples per prompt, grouped contiguously in prompt order, with rewards."""
+        """n samples per prompt, grouped contiguously in prompt order, with rewards. Each sample's
+        seed depends only on `seed`, its prompt's position and its index in the group, not on
+        how the batch is sharded; batches of nearby seeds draw no shared sample seeds."""
         n = self.rollout.num_samples_per_prompt
         num_shards = max(1, min(len(prompts), self.engines.num_healthy))
-        shards = [prompts[i::num_shards] for i in range(num_shards)]
-        futures = [self.pool.submit(self.engines.generate, [p.input_ids for p in shard for _ in range(n)],
-                                    self.sampling_params(seed + i), **self.request_extra)
-                   for i, shard in enumerate(shards)]
+        positions = [list(range(len(prompts)))[i::num_shards] for i in range(num_shards)]
+        futures = [self.pool.submit(self.engines.generate, [prompts[p].input_ids for p in shard for _ in range(n)],
+                                    self.sampling_params([seed * SEED_STRIDE + p * n + j for p in shard for j in range(n)]),
+                                    **self.request_extra)
+                   for shard in positions]
+        shards = [[prompts[p] for p in shard] for shard in positions]
         by_position: dict[int, list[Sample]] = {}
         for i, (shard, future) in enumerate(zip(shards, futures)):
             outputs = future.result()

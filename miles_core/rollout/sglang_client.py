@@ -22,25 +22,14 @@ import requests
 
 from miles_core.errors import InfrastructureError
 from miles_core.net import free_port
+from miles_core.rollout.sglang_args import server_arg_flags
 
 logger = logging.getLogger(__name__)
 
-# Server args the launcher forwards. True marks a boolean flag (`--name`, no value); anything
-# else is passed as `--name value`. Keys outside this list are dropped with a warning, because
-# an unknown flag makes `sglang.launch_server` exit at start-up, long after the job was queued.
-KNOWN_SERVER_ARGS: dict[str, bool] = {
-    "tokenizer_path": False, "tp_size": False, "dp_size": False, "pp_size": False, "ep_size": False,
-    "mem_fraction_static": False, "enable_memory_saver": True, "random_seed": False,
-    "skip_server_warmup": True, "enable_metrics": True, "nccl_port": False, "base_gpu_id": False,
-    "context_length": False, "chunked_prefill_size": False, "max_running_requests": False,
-    "max_total_tokens": False, "attention_backend": False, "sampling_backend": False,
-    "dtype": False, "kv_cache_dtype": False, "quantization": False, "load_format": False,
-    "trust_remote_code": True, "log_level": False, "enable_return_routed_experts": True,
-    "served_model_name": False, "weight_version": False, "disable_radix_cache": True,
-    "disable_cuda_graph": True, "cuda_graph_max_bs": False, "schedule_policy": False,
-    "enable_deterministic_inference": True,
-}
 RETRY_STATUSES = {500, 502, 503, 504}
+# Sent with every weight update, whatever SGLang's defaults are: the prefix (radix) cache holds
+# KV computed with the old weights, and running requests finish rather than being aborted.
+WEIGHT_UPDATE_DEFAULTS = {"flush_cache": True, "abort_all_requests": False}
 
 
 class EngineError(InfrastructureError):
@@ -158,13 +147,13 @@ class SGLangClient:
             time.sleep(interval)
 
     def model_info(self) -> dict[str, Any]:
-        return self._get_json("/get_model_info")
+        # /get_model_info is a deprecated alias in SGLang 0.5.16 and 0.5.23.
+        return self._get_json("/model_info")
 
     def server_info(self) -> dict[str, Any]:
-        return self._get_json("/get_server_info")
+        return self._get_json("/server_info")
 
     def weight_version(self) -> str:
-        # /get_model_info carries it in every SGLang version that has weight versions.
         return str(self.model_info().get("weight_version"))
 
     # ---- control ---------------------------------------------------------------------------
@@ -199,13 +188,15 @@ class SGLangClient:
     # ---- weights ---------------------------------------------------------------------------
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                 load_format: str | None = None) -> dict:
-        payload: dict[str, Any] = {"model_path": str(model_path)}
+                                 load_format: str | None = None, timeout_seconds: float = 3600.0) -> dict:
+        """SGLang keeps loading after a client gives up, so the timeout is the load's own
+        (minutes for a large model), not the generate timeout."""
+        payload: dict[str, Any] = {"model_path": str(model_path), **WEIGHT_UPDATE_DEFAULTS}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         if load_format is not None:
             payload["load_format"] = load_format
-        return self._post_result("/update_weights_from_disk", payload)
+        return self._post_result("/update_weights_from_disk", payload, timeout=timeout_seconds)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str, backend: str = "nccl") -> dict:
@@ -215,11 +206,11 @@ class SGLangClient:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str, weight_version: str | None = None,
-                                        flush_cache: bool = False) -> dict:
+                                        flush_cache: bool = True) -> dict:
         """Blocks until the server has received every tensor: call it from a thread while the
         trainer broadcasts the same tensors, in the same order, from rank 0."""
-        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes,
-                                   "group_name": group_name, "flush_cache": flush_cache}
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                   **WEIGHT_UPDATE_DEFAULTS, "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         return self._post_result("/update_weights_from_distributed", payload)
@@ -241,23 +232,6 @@ def _log_tail(log_path: str | Path | None, lines: int = 30) -> str:
         return ""
     tail = Path(log_path).read_text(errors="replace").splitlines()[-lines:]
     return "\n--- server log tail ---\n" + "\n".join(tail)
-
-
-def server_arg_flags(server_args: dict[str, Any]) -> list[str]:
-    """Map {"mem_fraction_static": 0.7, "skip_server_warmup": True} to CLI flags, dropping (with a
-    warning) keys SGLang is not known to accept and False boolean flags."""
-    flags: list[str] = []
-    for key, value in server_args.items():
-        key = key.replace("-", "_")
-        if key not in KNOWN_SERVER_ARGS:
-            logger.warning("dropping unknown SGLang server arg %r=%r", key, value)
-            continue
-        if value is None or (KNOWN_SERVER_ARGS[key] and not value):
-            continue
-        flags.append("--" + key.replace("_", "-"))
-        if not KNOWN_SERVER_ARGS[key]:
-            flags.extend(str(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
-    return flags
 
 
 class SGLangLauncher:
@@ -289,12 +263,8 @@ class SGLangLauncher:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        args = {"tp_size": 1, **self.server_args}
-        for reserved in ("model_path", "host", "port"):
-            if args.pop(reserved, None) is not None:
-                logger.warning("server arg %r is set by the launcher itself; ignoring it", reserved)
         return [self.python, "-m", self.module, "--model-path", self.model_path,
-                "--host", self.host, "--port", str(self.port), *server_arg_flags(args)]
+                "--host", self.host, "--port", str(self.port), *server_arg_flags(self.server_args)]
 
     def start(self, wait: bool = True, **client_kwargs: Any) -> SGLangClient:
         cmd = self.command()
@@ -302,7 +272,7 @@ class SGLangLauncher:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, **(self.env or {})})
+                                            env={**os.environ, **(self.env or {})}, preexec_fn=_die_with_parent)
         client = SGLangClient(self.url, **client_kwargs)
         if wait:
             try:
@@ -334,6 +304,17 @@ class SGLangLauncher:
     def weights_sha256(self) -> str:
         raise NotImplementedError("SGLang has no endpoint for a digest of its weights: "
                                   "rollout.verify_weight_sync needs embedded engines")
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before exec: SIGTERM it when the process that launched it dies
+    (an engine actor killed by Ray runs no shutdown hook), so its GPU is freed; SGLang ends
+    its own children on SIGTERM."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

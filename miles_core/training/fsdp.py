@@ -22,7 +22,7 @@ from miles_core.net import free_port, init_custom_process_group, rendezvous_endp
 from miles_core.training import state_io
 from miles_core.training.batches import pad_batch, select_rows
 from miles_core.training.logprobs import next_token_logprobs
-from miles_core.weight_layout import weights_sha256
+from miles_core.weight_layout import checkpoint_layout, weights_sha256
 
 
 def ensure_process_group() -> bool:
@@ -299,7 +299,11 @@ class FSDPTrainer:
         self.model.config.save_pretrained(out_dir)
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.save_pretrained(out_dir)
-        save_file(self.hf_state_dict(to_cpu=True), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        # The checkpoint layout (per-expert MoE tensors) is what SGLang and save_pretrained read;
+        # split experts are views of one tensor, which safetensors refuses to save as such.
+        state = self.hf_state_dict(to_cpu=True)
+        weights = {k: v if k in state else v.clone() for k, v in checkpoint_layout(state).items()}
+        save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         self.tokenizer.save_pretrained(out_dir)
         return out_dir
 

@@ -3,7 +3,6 @@ Router exactly as a GPU cluster drives `sglang.launch_server`."""
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -109,15 +108,19 @@ def test_health_is_503_until_the_model_is_loaded(tiny_model_dir):
 def test_model_and_server_info(client, tiny_model_dir):
     info = client.model_info()
     assert info["model_path"] == info["tokenizer_path"] == str(tiny_model_dir)
-    assert info["is_generation"] is True and info["weight_version"] == "0"
+    assert info["is_generation"] is True and info["weight_version"] == "default"  # SGLang's start
     assert client.server_info()["internal_states"][0]["paused"] is False
+    # SGLang's deprecated aliases still answer; /get_weight_version is gone (0.5.23) or 404 (0.5.16)
+    assert requests.get(client.base_url + "/get_model_info", timeout=5).json() == info
+    assert requests.get(client.base_url + "/get_weight_version", timeout=5).status_code == 404
 
 
 def test_generate_matches_in_process_engine(client, reference):
     params = {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 11}
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
     got = client.generate(prompts[0], params) + client.generate(prompts, params)
-    want = reference.generate([prompts[0]], params, seed=11) + reference.generate(prompts, params, seed=11)
+    # one sampling_params dict: its seed applies to every prompt of the batch, as in SGLang
+    want = reference.generate([prompts[0]], params, seeds=[11]) + reference.generate(prompts, params, seeds=[11] * 3)
     for response, expected, prompt in zip(got, want, [prompts[0], *prompts]):
         meta = response["meta_info"]
         assert response["output_ids"] == expected["output_ids"]
@@ -127,9 +130,27 @@ def test_generate_matches_in_process_engine(client, reference):
         assert torch.allclose(lps, ref, atol=1e-5, rtol=0)
         assert _finish(response) in ("stop", "length") and 1 <= len(response["output_ids"]) <= 6
         assert meta["completion_tokens"] == len(response["output_ids"]) and meta["prompt_tokens"] == len(prompt)
-        assert meta["weight_version"] == "0"
+        assert meta["weight_version"] == "default"
     greedy = client.generate(prompts, GREEDY)
     assert [r["output_ids"] for r in greedy] == [r["output_ids"] for r in reference.generate(prompts, GREEDY)]
+
+
+def test_sampling_seed_is_per_request(client):
+    """SGLang samples each request with its own sampling_seed: one seed shared by a group's n
+    samples gives n copies of one sample (zero advantage); a seed per sample gives n samples,
+    and the same seeds give the same samples again, in any batch."""
+    shared = {"max_new_tokens": 6, "temperature": 1.5}
+    prompt, n = [5, 6, 7], 8
+    copies = client.generate([prompt] * n, shared | {"sampling_seed": 3})
+    assert len({tuple(r["output_ids"]) for r in copies}) == 1
+    per_sample = [shared | {"sampling_seed": 100 + j} for j in range(n)]
+    group = client.generate([prompt] * n, per_sample)
+    assert len({tuple(r["output_ids"]) for r in group}) > 1
+    mixed = client.generate([[9, 10], *[prompt] * n], [shared | {"sampling_seed": 7}, *per_sample])
+    assert [r["output_ids"] for r in mixed[1:]] == [r["output_ids"] for r in group]
+    with pytest.raises(EngineError) as err:
+        client.generate([prompt] * 2, [shared, shared | {"max_new_tokens": 2}])
+    assert err.value.status == 400
 
 
 def test_generate_from_text(server):
@@ -258,7 +279,42 @@ def test_weight_update_waits_for_the_running_generation(server, client, target_d
             update.result(timeout=30)
     finally:
         gate.close()
-    assert out["meta_info"]["weight_version"] == "0" and client.weight_version() == "2"
+    assert out["meta_info"]["weight_version"] == "default" and client.weight_version() == "2"
+
+
+def test_generation_after_an_unflushed_weight_update_is_refused(server, client, target_dir):
+    """SGLang's radix cache keeps prefix KV of the old weights when an update says
+    flush_cache=false; the stand-in refuses to generate until the cache is flushed."""
+    body = {"model_path": str(target_dir), "weight_version": "3", "flush_cache": False}
+    assert requests.post(server.url + "/update_weights_from_disk", json=body, timeout=30).json()["success"]
+    with pytest.raises(EngineError, match="flush_cache=false") as err:
+        client.generate([5, 6], GREEDY)
+    assert err.value.status == 400
+    client.flush_cache()
+    assert client.generate([5, 6], GREEDY)[0]["meta_info"]["weight_version"] == "3"
+
+
+def test_weight_updates_over_http_take_checkpoint_expert_names_only(tiny_moe_model_dir, tmp_path):
+    """SGLang's Qwen3-MoE loader skips transformers' fused expert names and reports success; the
+    stand-in answers 400 for them, and loads the checkpoint's per-expert names."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from miles_core.weight_layout import checkpoint_layout
+
+    fused = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir).state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in fused)
+    for layout, tensors in (("fused", fused), ("checkpoint", {k: v.clone() for k, v in checkpoint_layout(fused).items()})):
+        (tmp_path / layout).mkdir()
+        save_file(tensors, str(tmp_path / layout / "model.safetensors"))
+    handle = serve(tiny_moe_model_dir, num_threads=1)
+    try:
+        client = SGLangClient(handle.url, timeout_seconds=30, retries=0)
+        with pytest.raises(EngineError, match="unknown parameter names.*gate_up_proj"):
+            client.update_weights_from_disk(str(tmp_path / "fused"), weight_version="1")
+        assert client.update_weights_from_disk(str(tmp_path / "checkpoint"), weight_version="2")["success"]
+    finally:
+        handle.stop()
 
 
 # ---- a launched subprocess, and a gloo weight broadcast into it ----------------------------------
@@ -268,7 +324,7 @@ def test_weight_update_waits_for_the_running_generation(server, client, target_d
 @pytest.fixture(scope="module")
 def launched(tiny_model_dir, tmp_path_factory):
     launcher = SGLangLauncher(
-        tiny_model_dir, {"random_seed": 1, "skip_server_warmup": True, "not_an_sglang_arg": "x"},
+        tiny_model_dir, {"random_seed": 1, "skip_server_warmup": True, "weight_version": "0"},
         module="miles_core.rollout.http_server", env={"OMP_NUM_THREADS": "1"},
         log_path=tmp_path_factory.mktemp("engine") / "engine.log", poll_interval=0.2, startup_timeout=120)
     client = launcher.start(timeout_seconds=60)
@@ -276,14 +332,13 @@ def launched(tiny_model_dir, tmp_path_factory):
     launcher.stop()
 
 
-def test_launcher_drops_unknown_args_and_serves(launched, caplog):
+def test_launched_server_serves_at_its_starting_weight_version(launched):
     launcher, client = launched
-    with caplog.at_level(logging.WARNING, logger="miles_core.rollout.sglang_client"):
-        cmd = launcher.command()
-    assert "not_an_sglang_arg" in caplog.text and "--not-an-sglang-arg" not in cmd
+    cmd = launcher.command()
     assert cmd[1:3] == ["-m", "miles_core.rollout.http_server"] and "--skip-server-warmup" in cmd
     info = client.server_info()
     assert info["random_seed"] == "1" and info["skip_server_warmup"] is True
+    assert client.weight_version() == "0"  # --weight-version, not SGLang's "default"
     [out] = client.generate([5, 6, 7], GREEDY)
     assert 1 <= len(out["output_ids"]) <= GREEDY["max_new_tokens"]
 
@@ -324,12 +379,15 @@ def test_launcher_stop_leaves_no_process(launched):
         os.killpg(pid, 0)
 
 
-def test_server_cli_drops_unknown_flags(caplog):
-    with caplog.at_level(logging.WARNING, logger="miles_core.rollout.http_server"):
-        args = parse_args(["--model-path", "m", "--port", "1234", "--tp-size", "1", "--enable-metrics",
-                           "--some-future-flag", "7"])
+def test_server_cli_rejects_what_sglang_rejects(capsys):
+    args = parse_args(["--model-path", "m", "--port", "1234", "--tp-size", "1", "--enable-metrics"])
     assert args.port == 1234 and args.enable_metrics and args.tp_size == "1"
-    assert "--some-future-flag" in caplog.text
+    # an unknown flag, a flag 0.5.23 removed (a prefix of two options there), more ranks than it has
+    for bad in (["--some-future-flag", "7"], ["--cuda-graph-max-bs", "8"], ["--tp-size", "2"]):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--model-path", "m", *bad])
+        assert exit_.value.code == 2
+    assert "unrecognized arguments: --cuda-graph-max-bs" in capsys.readouterr().err
 
 
 # ---- router -------------------------------------------------------------------------------------

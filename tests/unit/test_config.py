@@ -64,6 +64,17 @@ def test_hf_source_shape_and_sglang_needs_gpu():
         build_config({"rollout": {"engine": "sglang", "gpus_per_engine": 1}})
 
 
+def test_sglang_server_args_and_sync_checks_fail_at_validation():
+    sglang = {"engine": {"kind": "sglang", "server_args": {"cuda_graph_max_bs": 8}}, "gpus_per_engine": 1,
+              "weight_transport": "broadcast"}
+    with pytest.raises(ConfigError, match=r"rollout.engine.sglang.server_args.*'cuda_graph_max_bs'.*0.5.16 and 0.5.23"):
+        build_config({"rollout": sglang})
+    sglang["engine"]["server_args"] = {"tp_size": 2}
+    assert build_config({"rollout": sglang}).rollout.engine.server_args == {"tp_size": 2}
+    with pytest.raises(ConfigError, match="verify_weight_sync=false for engine sglang"):
+        build_config({"rollout": sglang | {"verify_weight_sync": True}})
+
+
 # ---- Megatron section and `miles plan` on every recipe ----------------------------------------------
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_miles_plan_on_every_recipe(recipe):

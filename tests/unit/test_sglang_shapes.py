@@ -8,7 +8,6 @@ answers an empty 200, /flush_cache answers 400 while requests are pending.
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
 import threading
@@ -18,7 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from miles_core.net import free_port
-from miles_core.rollout.sglang_client import EngineError, SGLangClient, SGLangLauncher, server_arg_flags
+from miles_core.rollout.sglang_args import server_arg_flags
+from miles_core.rollout.sglang_client import EngineError, SGLangClient, SGLangLauncher
 
 GENERATE_RESPONSE = {
     "text": " 42",
@@ -132,7 +132,7 @@ def test_score_prompt_reads_input_token_logprobs(fake, client):
 
 
 def test_model_info_and_weight_version(fake, client):
-    fake.on("GET", "/get_model_info", (200, MODEL_INFO))
+    fake.on("GET", "/model_info", (200, MODEL_INFO))  # /get_model_info is a deprecated alias
     assert client.model_info()["model_path"] == "/models/qwen3"
     assert client.weight_version() == "3"
 
@@ -142,7 +142,9 @@ def test_failed_update_raises_engine_error_with_message(fake, client):
     with pytest.raises(EngineError, match="/bad not found") as err:
         client.update_weights_from_disk("/bad", weight_version="4")
     assert err.value.status == 400 and err.value.url.startswith(fake.url)
-    assert fake.bodies("/update_weights_from_disk") == [{"model_path": "/bad", "weight_version": "4"}]
+    # flush_cache and abort_all_requests are sent, not left to SGLang's defaults
+    assert fake.bodies("/update_weights_from_disk") == [{"model_path": "/bad", "weight_version": "4",
+                                                         "flush_cache": True, "abort_all_requests": False}]
 
 
 def test_success_false_with_200_is_still_an_error(fake, client):
@@ -151,7 +153,7 @@ def test_success_false_with_200_is_still_an_error(fake, client):
         client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 2]], "g", weight_version="5")
     assert fake.bodies("/update_weights_from_distributed")[0] == {
         "names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 2]], "group_name": "g",
-        "flush_cache": False, "weight_version": "5"}
+        "flush_cache": True, "abort_all_requests": False, "weight_version": "5"}
 
 
 def test_successful_update_returns_body(fake, client):
@@ -178,7 +180,7 @@ def test_flush_cache_retries_while_requests_pending(fake, client):
 
 
 def test_idempotent_get_retries_5xx_but_generate_does_not(fake, client):
-    fake.on("GET", "/get_model_info", (503, "starting"), (200, MODEL_INFO))
+    fake.on("GET", "/model_info", (503, "starting"), (200, MODEL_INFO))
     assert client.model_info()["weight_version"] == "3"
     fake.on("POST", "/generate", (500, {"error": {"message": "boom"}}))
     with pytest.raises(EngineError) as err:
@@ -210,17 +212,27 @@ def test_wait_healthy_polls_until_200(fake):
     assert len(fake.bodies("/health_generate")) == 3
 
 
-def test_server_arg_flags_drop_unknown_with_warning(caplog):
-    with caplog.at_level(logging.WARNING):
-        flags = server_arg_flags({"mem_fraction_static": 0.7, "enable_memory_saver": True, "skip_server_warmup": False,
-                                  "dp-size": 2, "made_up_option": 1})
+def test_server_arg_flags():
+    flags = server_arg_flags({"mem_fraction_static": 0.7, "enable_memory_saver": True, "skip_server_warmup": False,
+                              "dp-size": 2})
     assert flags == ["--mem-fraction-static", "0.7", "--enable-memory-saver", "--dp-size", "2"]
-    assert "made_up_option" in caplog.text
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"made_up_option": 1}, "unknown SGLang server arg 'made_up_option'.*0.5.16 and 0.5.23"),
+    ({"cuda_graph_max_bs": 8}, "unknown SGLang server arg 'cuda_graph_max_bs'"),  # gone in 0.5.23
+    ({"disable_cuda_graph": True}, "unknown SGLang server arg 'disable_cuda_graph'"),  # deprecated
+    ({"port": 1}, "'port' is set by the launcher"),
+    ({"api_key": "secret"}, "'api_key' is set by the launcher"),
+    ({"trust_remote_code": "yes"}, "'trust_remote_code' is a flag"),
+])
+def test_server_args_sglang_would_not_take_fail_before_anything_starts(args, message):
+    with pytest.raises(ValueError, match=message):
+        server_arg_flags(args)
 
 
 def test_launcher_command_for_sglang():
-    launcher = SGLangLauncher("/models/qwen3", {"tp_size": 2, "random_seed": 7, "port": 1}, port=31000,
-                              python="python")
+    launcher = SGLangLauncher("/models/qwen3", {"tp_size": 2, "random_seed": 7}, port=31000, python="python")
     assert launcher.command() == ["python", "-m", "sglang.launch_server", "--model-path", "/models/qwen3",
                                   "--host", "127.0.0.1", "--port", "31000", "--tp-size", "2", "--random-seed", "7"]
     assert launcher.url == "http://127.0.0.1:31000"

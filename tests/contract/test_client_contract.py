@@ -1,0 +1,161 @@
+"""Our launcher, client and embedded server checked against SGLang's own source (the snapshot in
+sglang_contract.json, taken from the 0.5.16 and 0.5.23 wheels): every flag we can emit is an
+exact option, every payload key a real field of the route's request struct, defaults SGLang
+chooses differently from us are sent explicitly, and the stand-in serves SGLang's routes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from miles_core.rollout.manager import RolloutManager
+from miles_core.rollout.sglang_args import SERVER_ARGS, SGLANG_VERSIONS_CHECKED, server_arg_flags
+from miles_core.rollout.sglang_client import WEIGHT_UPDATE_DEFAULTS, SGLangClient
+
+SNAPSHOT = json.loads((Path(__file__).parent / "sglang_contract.json").read_text())
+VERSIONS = sorted(SNAPSHOT["versions"])
+# Routes of the embedded server that SGLang does not have, each for a reason.
+EMBEDDED_EXTRAS = {"/get_weights_checksum": "tests compare engine and trainer weights over HTTP"}
+
+
+def test_the_versions_checked_are_the_snapshots():
+    assert tuple(VERSIONS) == SGLANG_VERSIONS_CHECKED
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_server_arg_is_an_exact_current_option(version):
+    """No argparse prefix match, no deprecated spelling, flags where SGLang has flags."""
+    server_args = SNAPSHOT["versions"][version]["server_args"]
+    for name, is_flag in SERVER_ARGS.items():
+        option = "--" + name.replace("_", "-")
+        assert option in server_args["option_index"], (version, option)
+        entry = server_args["options"][server_args["option_index"][option]]
+        assert not entry["deprecated"], (version, option)
+        assert entry["flag"] == is_flag, (version, option)
+
+
+def _recorded_calls(monkeypatch) -> list[tuple[str, str, dict]]:
+    """Every (method, path, payload) the client sends, answered with a success."""
+    calls = []
+
+    class Answer:
+        status_code, content, url, text = 200, b"{}", "fake", "{}"
+
+        def __init__(self, body: dict):
+            self.body = body
+
+        def json(self) -> dict:
+            return self.body
+
+    def call(self, method, path, payload=None, **_):
+        calls.append((method, path, payload or {}))
+        if path == "/generate":
+            return Answer({"text": "", "output_ids": [], "meta_info": {"input_token_logprobs": []}})
+        return Answer({"success": True, "message": "ok"})
+
+    monkeypatch.setattr(SGLangClient, "_call", call)
+    return calls
+
+
+def _rollout_params(seeds: list[int]) -> list[dict]:
+    """The per-sample sampling params the rollout manager sends."""
+    manager = RolloutManager.__new__(RolloutManager)  # sampling_params reads only the rollout section
+    manager.rollout = type("Rollout", (), {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 4})()
+    return manager.sampling_params(seeds)
+
+
+def _drive_client(client: SGLangClient) -> None:
+    """Every call the client has, as the rollout, weight transports and engine group make them."""
+    client.generate([[1, 2]], _rollout_params([7]), return_logprob=True, rid=["r"],
+                    return_routed_experts=True)
+    client.score_prompt([1, 2, 3])
+    client.update_weights_from_disk("/m", weight_version="1", load_format="safetensors")
+    client.init_weights_update_group("127.0.0.1", 1234, 1, 3, "g", "nccl")
+    client.update_weights_from_distributed(["w"], ["bfloat16"], [[2]], "g", weight_version="2")
+    client.destroy_weights_update_group("g")
+    client.update_weight_version("3")
+    client.pause("abort")
+    client.resume()
+    client.abort()
+    client.abort("r")
+    client.release_memory(["kv_cache"])
+    client.resume_memory(["kv_cache"])
+    client.model_info()
+    client.server_info()
+
+
+def _body_class(route: dict) -> str | None:
+    for param in route.get("params", []):
+        if m := re.match(r"Annotated\[(\w+), Body\(\)\]", param.get("annotation", "")):
+            return m.group(1)
+        if param.get("annotation", "").endswith("ReqInput") or param.get("annotation") == "AbortReq":
+            return param["annotation"]
+    return None
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_call_is_a_current_route_with_real_fields(version, monkeypatch):
+    calls = _recorded_calls(monkeypatch)
+    _drive_client(SGLangClient("http://sglang"))
+    snap = SNAPSHOT["versions"][version]
+    routes, classes = snap["routes"]["routes"], snap["io_structs"]["classes"]
+    deprecated = set(snap["routes"]["deprecated_routes"])
+    sampling_fields = set(snap["sampling_params"]["params"])
+    for method, path, payload in calls:
+        assert path in routes and path not in deprecated, (version, path)
+        route = next(r for r in routes[path] if method in r["methods"])
+        assert not route.get("always_raises_http_status"), (version, path)
+        cls = _body_class(route)
+        if payload:
+            assert cls is not None, (version, path, route)
+            fields = {f["name"] for f in classes[cls]["fields"]}
+            assert set(payload) <= fields, (version, path, set(payload) - fields)
+        for params in ([payload["sampling_params"]] if isinstance(payload.get("sampling_params"), dict)
+                       else payload.get("sampling_params", [])):
+            assert set(params) <= sampling_fields, (version, set(params) - sampling_fields)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_defaults_sglang_chooses_otherwise_are_sent(version, monkeypatch):
+    """Every weight update flushes the prefix cache and lets running requests finish, whatever
+    the server's default; the values we send are the ones the request structs define."""
+    calls = _recorded_calls(monkeypatch)
+    _drive_client(SGLangClient("http://sglang"))
+    classes = SNAPSHOT["versions"][version]["io_structs"]["classes"]
+    updates = {path: payload for _, path, payload in calls if path.startswith("/update_weights_from")}
+    assert set(updates) == {"/update_weights_from_disk", "/update_weights_from_distributed"}
+    for payload in updates.values():
+        assert {k: payload[k] for k in WEIGHT_UPDATE_DEFAULTS} == WEIGHT_UPDATE_DEFAULTS
+    for cls in ("UpdateWeightFromDiskReqInput", "UpdateWeightsFromDistributedReqInput"):
+        assert {f["name"] for f in classes[cls]["fields"]} >= set(WEIGHT_UPDATE_DEFAULTS)
+    # update_weight_version aborts running requests by default: we say it must not
+    [version_update] = [p for _, path, p in calls if path == "/update_weight_version"]
+    assert version_update["abort_all_requests"] is False
+
+
+def test_group_samples_get_one_seed_each():
+    assert [p["sampling_seed"] for p in _rollout_params([5, 6, 7])] == [5, 6, 7]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_embedded_server_serves_sglang_routes(version):
+    from miles_core.rollout.http_server import EngineService, create_app
+
+    app = create_app(EngineService("unused"))
+    sglang_routes = SNAPSHOT["versions"][version]["routes"]["routes"]
+    for route in app.routes:
+        path = getattr(route, "path", None)
+        if path is None or path in EMBEDDED_EXTRAS:
+            continue
+        assert path in sglang_routes, (version, path)
+        live = [r for r in sglang_routes[path] if not r.get("always_raises_http_status")]
+        assert live, (version, path)
+        assert set(route.methods) <= {m for r in live for m in r["methods"]}, (version, path)
+
+
+def test_launcher_flags_parse_exactly():
+    flags = server_arg_flags({"tp_size": 2, "enable_deterministic_inference": True, "weight_version": "0"})
+    assert flags == ["--tp-size", "2", "--enable-deterministic-inference", "--weight-version", "0"]
