@@ -208,22 +208,37 @@ class EmbeddedEngine:
 
 
 class SeededSampling(LogitsProcessor):
-    """Sampling with one generator per row, as SGLang samples each request with its own
-    sampling_seed: temperature, top-k and top-p, then Gumbel noise from the row's generator,
-    so that the argmax of the returned scores (greedy decoding) is a sample of the row's
-    distribution. A row's draws depend only on its seed and the decode step, not on the batch."""
+    """Sampling with one seed per row, as SGLang samples each request with its own
+    sampling_seed: temperature, top-k and top-p, then Gumbel noise drawn from (seed, decode
+    step, token id) alone, so the argmax of the returned scores (greedy decoding) samples the
+    row's distribution, and a row's draws do not depend on the rest of the batch."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float = 1.0, top_k: int | None = None):
-        self.seeds, self.temperature = seeds, temperature
+        self.seeds, self.temperature, self.step = seeds, temperature, 0
         self.warpers = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
-        self.generators: list[torch.Generator] | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.generators is None:
-            self.generators = [torch.Generator(device=scores.device).manual_seed(s) for s in self.seeds]
         scores = scores.float() / self.temperature
         for warper in self.warpers:
             scores = warper(input_ids, scores)
-        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device)
-                               for g in self.generators])
+        seeds = torch.tensor(self.seeds, dtype=torch.int64, device=scores.device)
+        uniform = counter_uniform(seeds, self.step, scores.shape[-1])
+        self.step += 1
         return scores - torch.log(-torch.log(uniform))
+
+
+_MIX = (-4658895280553007687, -7723592293110705685, -7046029254386353131)  # splitmix64's odd constants
+_LOW_BITS = [(1 << (64 - shift)) - 1 for shift in (30, 27, 31)]
+
+
+def counter_uniform(seeds: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
+    """Uniforms in (0, 1) of shape [len(seeds), vocab_size], a pure function of (seed, step,
+    column): splitmix64's finaliser over a counter, on any device, one pass for the batch.
+    int64 products wrap; right shifts are masked to make them logical."""
+    column = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    x = seeds[:, None] * _MIX[0] + (step * vocab_size + column)[None, :]
+    for shift, mult, low in zip((30, 27, 31), (_MIX[1], _MIX[2], 1), _LOW_BITS):
+        x = x ^ ((x >> shift) & low)
+        if mult != 1:
+            x = x * mult
+    return (((x >> 40) & 0xFFFFFF).float() + 0.5) / float(1 << 24)
