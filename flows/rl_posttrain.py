@@ -64,7 +64,7 @@ def _student_and_teacher(cfg: RunConfig, base: ModelArtifact, warmed: ModelArtif
 
 def _run_key(resume_from: str | None, flow_run_id) -> str:
     """The run's durable identity: the run it resumes, else this flow run."""
-    return resume_from or str(flow_run_id or f"local-{int(time.time())}")
+    return ckpt.check_run_key(resume_from or str(flow_run_id or f"local-{int(time.time())}"))
 
 
 def _hook_context(flow_run) -> tuple[RunConfig, str]:
@@ -99,6 +99,10 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
     """RL post-training of one recipe, durable stage by stage; returns the run summary."""
     cfg = load_config(config_path, overrides or [])
     run_key = _run_key(resume_from, flow_run.id)
+    if resume_from and tracking.find_run(cfg, run_key) is None:  # before anything is written
+        raise ValueError(f"resume_from={resume_from!r}: no run with this key in MLflow experiment "
+                         f"{cfg.tracking.experiment_name!r} at {tracking.tracking_uri(cfg)}; check the key "
+                         "(`miles show`) or drop --resume to start a new run")
     run_path = Path(run_dir).resolve() if run_dir else cfg.storage.work_path / "runs" / run_key
     run_path.mkdir(parents=True, exist_ok=True)
     (run_path / "config.resolved.json").write_text(cfg.model_dump_json(indent=1))

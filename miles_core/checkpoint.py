@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -19,6 +20,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import miles_core
+
+# A run key names directories (runs/<key>/ locally and in the store) and an MLflow tag filter:
+# a path separator, `..` or a quote must never reach them.
+RUN_KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def check_run_key(run_key: str) -> str:
+    """The run key, or ValueError saying what a run key may contain."""
+    if not RUN_KEY_PATTERN.fullmatch(run_key) or ".." in run_key:
+        raise ValueError(f"invalid run key {run_key!r}: a run key is 1-128 letters, digits, '_', '-' or '.', "
+                         "starts with a letter or digit and has no '..' (e.g. a flow run id printed by `miles run`)")
+    return run_key
 
 log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"

@@ -11,6 +11,7 @@ import mlflow
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
+from miles_core.checkpoint import check_run_key
 from miles_core.config import RunConfig
 
 RUN_KEY_TAG = "miles.run_key"
@@ -45,6 +46,7 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def _run_of(client: MlflowClient, experiment_id: str, run_key: str) -> str | None:
+    check_run_key(run_key)  # it is spliced into a filter string
     found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
     return found[0].info.run_id if found else None
 

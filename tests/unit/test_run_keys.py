@@ -1,0 +1,28 @@
+"""Run keys name directories and an MLflow filter: only safe ones are accepted, and resuming
+a key with no run fails before anything of a run is written."""
+
+import pytest
+
+from flows.rl_posttrain import rl_posttrain
+from miles_core.checkpoint import check_run_key
+from tests.conftest import REPO
+
+
+@pytest.mark.parametrize("key", ["92521669-6824-4ab4-9c67-21547d1d30a4", "local-1733310000", "run_7.b"])
+def test_flow_run_ids_and_local_keys_are_run_keys(key):
+    assert check_run_key(key) == key
+
+
+@pytest.mark.parametrize("key", ["", "../etc", "..", "a/b", "x' OR tags.a = 'b", ".hidden", "a" * 129, "run\n1"])
+def test_paths_quotes_and_dot_dot_are_not(key):
+    with pytest.raises(ValueError, match="invalid run key"):
+        check_run_key(key)
+
+
+@pytest.mark.parametrize("key, message", [("../outside", "invalid run key"), ("never-ran", "no run with this key")])
+def test_resume_of_a_bad_or_unknown_key_fails_before_writing(tmp_path, key, message):
+    work = tmp_path / "work"
+    overrides = [f"storage.work_dir={work}", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    with pytest.raises(ValueError, match=message):
+        rl_posttrain.fn(str(REPO / "configs/local.yaml"), overrides, resume_from=key)
+    assert not (work / "runs").exists() and not (tmp_path / "outside").exists()
