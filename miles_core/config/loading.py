@@ -15,6 +15,27 @@ from miles_core.config.base import ConfigError
 from miles_core.config.schema import RunConfig
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """YAML as a recipe should be: a key written twice is an error (not "last one wins"), and
+    anchors/aliases are refused (a few hundred bytes of nested aliases expand to gigabytes)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.constructor.ConstructorError(None, None, "aliases (*name) are not allowed in recipes",
+                                                    self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is written twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
     node = tree
     *parents, leaf = dotted_key.split(".")
@@ -35,7 +56,12 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. training.lr=1e-4")
-        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else ""))
+        try:
+            value = yaml.load(raw, Loader=RecipeLoader) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({exc.problem or exc}); quote strings, "
+                              "e.g. --set 'rollout.reward=\"my_module:score\"'") from None
+        parsed.append((key.strip(), value))
     return parsed
 
 
@@ -72,9 +98,14 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.load(path.read_text(encoding="utf-8"), Loader=RecipeLoader)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+    if tree is None:
+        raise ConfigError(f"config {path} is empty: an empty recipe would silently run every default; "
+                          "start from configs/local.yaml")
     if not isinstance(tree, dict):
         raise ConfigError(f"config {path} must be a mapping of sections, got {type(tree).__name__}")
     return build_config(tree, overrides, source=str(path))

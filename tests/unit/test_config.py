@@ -158,3 +158,25 @@ def test_a_variant_can_be_written_as_its_kind_and_extended_with_set():
     rows = {name: doc for name, _, doc in field_docs()}
     assert rows["rollout.loop.kind"].startswith("one of sync | one_step_off | fully_async")
     assert rows["rollout.weight_transport.bucket_megabytes"].startswith("(broadcast only)")
+
+
+# ---- recipes that would silently mean something else fail with the reason ------------------------------
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b"training:\n  lr: 1.0e-3\ntraining:\n  num_steps: 3\n", "key 'training' is written twice"),
+    (b"training:\n  lr: 1.0e-3\n  lr: 2.0e-3\n", "key 'lr' is written twice"),
+    (b"training:\n  num_steps: true\n", "num_steps: expected a number, got True"),
+    (b"training:\n  lr: .inf\n", "training.lr: Input should be a finite number"),
+    (b"a: &x [1, 2]\nb: [*x, *x]\n", "aliases"),
+    (b"\xff\xfe\x00", "not UTF-8"),
+])
+def test_recipe_mistakes_are_errors(tmp_path, content, message):
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_malformed_set_value_is_an_error_not_a_traceback():
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        build_config({}, ["training.lr=[1,"])
