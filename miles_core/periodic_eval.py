@@ -54,7 +54,8 @@ class PeriodicEvaluator:
             # Not a broadcast: a second group to other engines would rebuild the rollout group's
             # communicator at every eval. SGLang takes no tensors in-process, so it loads from disk.
             kind = DiskTransport() if cfg.rollout.engine.kind == "sglang" else ObjectStoreTransport()
-            self.transport = make_transport(kind, run_dir / "eval_weight_sync", cfg.rollout.verify_weight_sync)
+            self.transport = make_transport(kind, run_dir / "eval_weight_sync", cfg.rollout.verify_weight_sync,
+                                            api_key=self.dedicated.api_key)
 
     def due(self, step: int) -> bool:
         return bool(self.interval) and step % self.interval == 0

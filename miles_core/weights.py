@@ -63,8 +63,8 @@ class DiskTransport:
     """The trainer writes an HF safetensors directory; engines load it (`update_weights_from_disk`).
     Needs a filesystem both sides see; keeps only the newest version on disk."""
 
-    def __init__(self, sync_dir: str, verify: bool = False, **_: Any):
-        self.sync_dir, self.verify = Path(sync_dir), verify
+    def __init__(self, sync_dir: str, verify: bool = False, api_key: str | None = None, **_: Any):
+        self.sync_dir, self.verify, self.api_key = Path(sync_dir), verify, api_key
 
     def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
         import ray
@@ -73,8 +73,8 @@ class DiskTransport:
         out = self.sync_dir / f"v{version:06d}"
         ray.get(trainer.export_hf.remote(str(out)))
         with ThreadPoolExecutor(max_workers=len(targets)) as pool:
-            _check(list(pool.map(lambda t: SGLangClient(t[1]).update_weights_from_disk(str(out), str(version)),
-                                 targets)), version)
+            _check(list(pool.map(lambda t: SGLangClient(t[1], api_key=self.api_key).update_weights_from_disk(
+                str(out), str(version)), targets)), version)
         for old in self.sync_dir.glob("v*"):
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)
@@ -89,8 +89,10 @@ class BroadcastTransport:
     engines changes (e.g. after a restart). Each TP rank of an engine joins the group (SGLang
     joins at rank_offset + tp_rank), so engine i's offset is 1 + the ranks of engines before it."""
 
-    def __init__(self, bucket_megabytes: int = 512, verify: bool = False, ranks_per_engine: int = 1, **_: Any):
+    def __init__(self, bucket_megabytes: int = 512, verify: bool = False, ranks_per_engine: int = 1,
+                 api_key: str | None = None, **_: Any):
         self.bucket_bytes, self.verify, self.ranks_per_engine = bucket_megabytes << 20, verify, ranks_per_engine
+        self.api_key = api_key
         self.members: tuple[str, ...] = ()
         self.generation = 0
 
@@ -104,14 +106,14 @@ class BroadcastTransport:
             ray.get(trainer.close_weight_broadcast.remote())
             for url in self.members:
                 if url in urls:
-                    SGLangClient(url).destroy_weights_update_group(self._group_name())
+                    SGLangClient(url, api_key=self.api_key).destroy_weights_update_group(self._group_name())
         self.generation += 1
         address, port = ray.get(trainer.weight_broadcast_endpoint.remote())
         offsets, world = broadcast_rank_layout(len(urls), self.ranks_per_engine)
         backend = ray.get(trainer.broadcast_backend.remote())
         sender = trainer.open_weight_broadcast.remote(address, port, world, self._group_name())
         with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-            results = list(pool.map(lambda item: SGLangClient(item[1]).init_weights_update_group(
+            results = list(pool.map(lambda item: SGLangClient(item[1], api_key=self.api_key).init_weights_update_group(
                 address, port, item[0], world, self._group_name(), backend), zip(offsets, urls)))
         ray.get(sender)
         _check(results, 0)
@@ -126,7 +128,7 @@ class BroadcastTransport:
             self._connect(trainer, urls)
         connected = time.perf_counter()
         sent_bytes = ray.get(trainer.broadcast_weights.remote(list(urls), self._group_name(), str(version),
-                                                             self.bucket_bytes))
+                                                             self.bucket_bytes, self.api_key))
         done = time.perf_counter()
         if self.verify:
             _verify(trainer, targets, version)
@@ -140,21 +142,23 @@ def broadcast_rank_layout(num_engines: int, ranks_per_engine: int) -> tuple[list
     return offsets, 1 + num_engines * ranks_per_engine
 
 
-def make_transport(config: TransportConfig, sync_dir: str | Path, verify: bool,
-                   ranks_per_engine: int = 1) -> WeightTransport:
+def make_transport(config: TransportConfig, sync_dir: str | Path, verify: bool, ranks_per_engine: int = 1,
+                   api_key: str | None = None) -> WeightTransport:
     """The transport that a `rollout.weight_transport` config names; disk syncs write under
-    sync_dir, and broadcast groups give each engine ranks_per_engine ranks."""
+    sync_dir, broadcast groups give each engine ranks_per_engine ranks, and api_key is the
+    engines' (EngineGroup.api_key)."""
     if config.kind == "object_store":
         return ObjectStoreTransport(verify=verify)
     if config.kind == "disk":
-        return DiskTransport(str(sync_dir), verify=verify)
+        return DiskTransport(str(sync_dir), verify=verify, api_key=api_key)
     if config.kind == "broadcast":
-        return BroadcastTransport(config.bucket_megabytes, verify=verify, ranks_per_engine=ranks_per_engine)
+        return BroadcastTransport(config.bucket_megabytes, verify=verify, ranks_per_engine=ranks_per_engine,
+                                  api_key=api_key)
     raise ValueError(f"unknown weight transport {config.kind!r}")
 
 
 def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str], group_name: str,
-                         version: str, bucket_bytes: int) -> int:
+                         version: str, bucket_bytes: int, api_key: str | None = None) -> int:
     """Sender side (runs in the trainer): per bucket, ask every engine to receive the named
     tensors, then broadcast them in that order. Returns the bytes sent. MoE experts go in the
     checkpoint layout: SGLang's loaders skip fused expert names without an error."""
@@ -172,7 +176,7 @@ def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str],
         for bucket in buckets:
             dtypes = [str(state[n].dtype).removeprefix("torch.") for n in bucket]
             shapes = [list(state[n].shape) for n in bucket]
-            requests = [pool.submit(SGLangClient(url).update_weights_from_distributed, bucket, dtypes, shapes,
+            requests = [pool.submit(SGLangClient(url, api_key=api_key).update_weights_from_distributed, bucket, dtypes, shapes,
                                     group_name, version) for url in urls]
             for name in bucket:
                 torch.distributed.broadcast(state[name].to(device), src=0, group=group)

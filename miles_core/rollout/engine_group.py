@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,19 +38,20 @@ def engine_tp_size(engine: EngineConfig, gpus_per_engine: float) -> int:
 
 
 def launch_engine(engine: EngineConfig, model_dir: str, host: str, dtype: str, num_threads: int,
-                  gpus_per_engine: float) -> RolloutEngine:
+                  gpus_per_engine: float, api_key: str) -> RolloutEngine:
     """Start the configured engine (`rollout.engine`) on `host` (a free port) and return once it
-    serves: the embedded engine in this process, or SGLang as a child process (GPU clusters)."""
+    serves: the embedded engine in this process, or SGLang as a child process (GPU clusters).
+    Every route but the health probes needs api_key."""
     if engine.kind == "sglang":
         server_args = {"dtype": dtype, "weight_version": INITIAL_WEIGHT_VERSION,
                        **engine.server_args, "tp_size": engine_tp_size(engine, gpus_per_engine)}
-        launcher = SGLangLauncher(model_dir, server_args, host=host, module=engine.server_module)
+        launcher = SGLangLauncher(model_dir, server_args, host=host, module=engine.server_module, api_key=api_key)
         launcher.start()
         return launcher
     from miles_core.rollout.http_server import serve  # torch and transformers: engine processes only
 
     return serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads,
-                 weight_version=INITIAL_WEIGHT_VERSION)
+                 weight_version=INITIAL_WEIGHT_VERSION, api_key=api_key)
 
 
 class EngineActor:
@@ -57,9 +59,9 @@ class EngineActor:
     through this actor for what HTTP does not carry (see interface.py)."""
 
     def __init__(self, model_dir: str, dtype: str, num_threads: int, bind_host: str, engine: EngineConfig,
-                 gpus_per_engine: float):
+                 gpus_per_engine: float, api_key: str):
         host = ray.util.get_node_ip_address() if bind_host == "node_ip" else "127.0.0.1"
-        self.engine = launch_engine(engine, model_dir, host, dtype, num_threads, gpus_per_engine)
+        self.engine = launch_engine(engine, model_dir, host, dtype, num_threads, gpus_per_engine, api_key)
 
     def url(self) -> str:
         return self.engine.url
@@ -84,23 +86,29 @@ class EngineActor:
 
 
 class EngineGroup:
-    """N engine actors, their HTTP clients and a router; restarts the ones that die."""
+    """N engine actors, their HTTP clients and a router; restarts the ones that die. The group's
+    engines share a random API key, which every caller of their HTTP API (router, weight
+    transports) sends: whoever reaches an engine's port cannot load weights or join its groups."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, scheduling: Callable[[int], dict] = lambda rank: {}):
         self.cfg, self.model_dir, self.scheduling = cfg, model_dir, scheduling
+        self.api_key = secrets.token_urlsafe(32)
         self.actor_cls = ray.remote(num_cpus=cfg.rollout.cpus_per_engine, num_gpus=cfg.rollout.gpus_per_engine,
                                     max_restarts=0)(EngineActor)
         self.actors = [self._start(rank) for rank in range(cfg.rollout.num_engines)]
         self.urls = ray.get([a.url.remote() for a in self.actors])
-        client_kwargs = {"timeout_seconds": cfg.rollout.request_timeout_seconds}
-        self.router = Router([SGLangClient(u, **client_kwargs) for u in self.urls],
+        self.router = Router([self.client(u) for u in self.urls],
                              health_timeout=cfg.rollout.health_timeout_seconds)
 
     def _start(self, rank: int):
         r = self.cfg.rollout
         return self.actor_cls.options(name=None, **self.scheduling(rank)).remote(
             self.model_dir, self.cfg.model.dtype, self.cfg.training.num_threads, r.bind_host, r.engine,
-            r.gpus_per_engine)
+            r.gpus_per_engine, self.api_key)
+
+    def client(self, url: str) -> SGLangClient:
+        """A client of one of this group's engines."""
+        return SGLangClient(url, timeout_seconds=self.cfg.rollout.request_timeout_seconds, api_key=self.api_key)
 
     @property
     def tp_size(self) -> int:
@@ -132,8 +140,7 @@ class EngineGroup:
             _stop_actor(self.actors[rank])
             self.actors[rank] = self._start(rank)
             self.urls[rank] = ray.get(self.actors[rank].url.remote())
-            self.router.replace_client(rank, SGLangClient(self.urls[rank],
-                                                          timeout_seconds=self.cfg.rollout.request_timeout_seconds))
+            self.router.replace_client(rank, self.client(self.urls[rank]))
         if replaced:
             self.wait_all_healthy()
             self.router.check_health()  # re-admits the new engines

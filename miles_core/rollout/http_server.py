@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import logging
 import os
 import signal
@@ -80,7 +81,7 @@ class EngineService:
 
     def __init__(self, model_path: str, tokenizer_path: str | None = None, server_args: dict | None = None,
                  dtype: str = "float32", num_threads: int | None = None, weight_version: str | None = None,
-                 group_timeout_seconds: float = 600.0):
+                 group_timeout_seconds: float = 600.0, api_key: str | None = None):
         self.model_path = str(model_path)
         self.tokenizer_path = str(tokenizer_path or model_path)
         self.server_args = dict(server_args or {})
@@ -88,6 +89,8 @@ class EngineService:
         self.num_threads = num_threads
         self.initial_version = weight_version
         self.group_timeout_seconds = group_timeout_seconds
+        self.api_key = api_key
+        """Required as `Authorization: Bearer <key>` on every route but the health probes."""
         self.engine: EmbeddedEngine | None = None
         self.load_error: BaseException | None = None
         self.loaded = threading.Event()
@@ -366,6 +369,14 @@ def create_app(service: EngineService) -> FastAPI:
             return _error(503, "model not loaded yet")
         return await call_next(request)
 
+    @app.middleware("http")  # added last, so it runs first
+    async def require_key(request: Request, call_next):
+        if service.api_key and request.url.path not in ("/health", "/health_generate"):
+            sent = request.headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {service.api_key}".encode()):
+                return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
+        return await call_next(request)
+
     return app
 
 
@@ -530,10 +541,12 @@ class ServerHandle:
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 0, *, tokenizer_path: str | None = None,
           server_args: dict | None = None, dtype: str = "float32", num_threads: int | None = None,
           weight_version: str | None = None, load: bool = True, wait_ready: bool = True,
-          log_level: str = "warning", start_timeout: float = 30.0) -> ServerHandle:
+          log_level: str = "warning", start_timeout: float = 30.0, api_key: str | None = None) -> ServerHandle:
     """Start the server in a background thread. port=0 picks a free port (see `.url`).
-    With load=False the HTTP side is up (health answers 503) until `.load_model()`."""
-    service = EngineService(str(model_dir), tokenizer_path, server_args, dtype, num_threads, weight_version)
+    With load=False the HTTP side is up (health answers 503) until `.load_model()`. With an
+    api_key every route but the health probes needs it (as SGLang's --api-key)."""
+    service = EngineService(str(model_dir), tokenizer_path, server_args, dtype, num_threads, weight_version,
+                            api_key=api_key)
     # Binding here, not inside uvicorn, is what makes port=0 usable: we know the port at once.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -564,6 +577,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key")
     for key, is_flag in SERVER_ARGS.items():
         parser.add_argument("--" + key.replace("_", "-"), action="store_true" if is_flag else "store")
     args = parser.parse_args(argv)
@@ -580,9 +594,10 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server_args = {k: v for k, v in vars(args).items() if v not in (None, False)}
+    server_args = {k: v for k, v in vars(args).items() if v not in (None, False) and k != "api_key"}
     handle = serve(args.model_path, args.host, args.port, tokenizer_path=args.tokenizer_path,
                    server_args=server_args, dtype=args.dtype or "float32", weight_version=args.weight_version,
+                   api_key=args.api_key,
                    wait_ready=False, log_level=(args.log_level or "info").lower())
     logger.info("serving %s at %s", args.model_path, handle.url)
     stop.wait()

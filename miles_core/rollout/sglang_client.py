@@ -47,8 +47,10 @@ class SGLangClient:
     connection errors and 5xx with a short backoff."""
 
     def __init__(self, base_url: str, timeout_seconds: float = 300.0, connect_timeout: float = 5.0,
-                 retries: int = 3, backoff_seconds: float = 0.5):
+                 retries: int = 3, backoff_seconds: float = 0.5, api_key: str | None = None):
+        """api_key: the engine's key (SGLang's --api-key), sent as a bearer token."""
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
         self.timeout_seconds = timeout_seconds
         self.connect_timeout = connect_timeout
         self.retries = retries
@@ -64,6 +66,8 @@ class SGLangClient:
     def _session(self) -> requests.Session:
         if not hasattr(self._local, "session"):
             self._local.session = requests.Session()
+            if self.api_key:
+                self._local.session.headers["Authorization"] = f"Bearer {self.api_key}"
         return self._local.session
 
     def _call(self, method: str, path: str, payload: dict | None = None, *, idempotent: bool = True,
@@ -243,11 +247,13 @@ class SGLangLauncher:
 
     def __init__(self, model_path: str | Path, server_args: dict[str, Any] | None = None,
                  host: str = "127.0.0.1", port: int | None = None, module: str = "sglang.launch_server",
+                 api_key: str | None = None,
                  python: str = sys.executable, log_path: str | Path | None = None,
                  env: dict[str, str] | None = None, startup_timeout: float = 900.0,
                  poll_interval: float = 2.0):
         self.model_path = str(model_path)
         self.server_args = dict(server_args or {})
+        self.api_key = api_key
         self.host = host
         self.port = port or free_port(host)
         self.module = module
@@ -263,17 +269,21 @@ class SGLangLauncher:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
+        # SGLang takes its key only as a flag: it is visible to users of this node (`ps`), never
+        # to the network. It changes per engine group, so a leaked one dies with the run.
+        key = ["--api-key", self.api_key] if self.api_key else []
         return [self.python, "-m", self.module, "--model-path", self.model_path,
-                "--host", self.host, "--port", str(self.port), *server_arg_flags(self.server_args)]
+                "--host", self.host, "--port", str(self.port), *key, *server_arg_flags(self.server_args)]
 
     def start(self, wait: bool = True, **client_kwargs: Any) -> SGLangClient:
         cmd = self.command()
-        logger.info("launching engine: %s (log %s)", " ".join(cmd), self.log_path)
+        shown = ["<api key>" if self.api_key and arg == self.api_key else arg for arg in cmd]
+        logger.info("launching engine: %s (log %s)", " ".join(shown), self.log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                             env={**os.environ, **(self.env or {})}, preexec_fn=_die_with_parent)
-        client = SGLangClient(self.url, **client_kwargs)
+        client = SGLangClient(self.url, api_key=self.api_key, **client_kwargs)
         if wait:
             try:
                 client.wait_healthy(self.startup_timeout, process=self.process,

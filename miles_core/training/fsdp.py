@@ -282,10 +282,12 @@ class FSDPTrainer:
         self.broadcast_group = init_custom_process_group(self.broadcast_backend(), f"tcp://{address}:{port}",
                                                          world_size, 0, group_name)
 
-    def broadcast_weights(self, urls: list[str], group_name: str, version: str, bucket_bytes: int) -> int:
+    def broadcast_weights(self, urls: list[str], group_name: str, version: str, bucket_bytes: int,
+                          api_key: str | None = None) -> int:
         from miles_core.weights import broadcast_to_engines
 
-        return broadcast_to_engines(self.hf_state_dict(), self.broadcast_group, urls, group_name, version, bucket_bytes)
+        return broadcast_to_engines(self.hf_state_dict(), self.broadcast_group, urls, group_name, version, bucket_bytes,
+                                    api_key)
 
     def close_weight_broadcast(self) -> None:
         group, self.broadcast_group = getattr(self, "broadcast_group", None), None

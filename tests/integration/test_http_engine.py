@@ -282,6 +282,25 @@ def test_weight_update_waits_for_the_running_generation(server, client, target_d
     assert out["meta_info"]["weight_version"] == "default" and client.weight_version() == "2"
 
 
+def test_with_an_api_key_only_health_is_open(tiny_model_dir, target_dir):
+    handle = serve(tiny_model_dir, num_threads=1, api_key="k-123")
+    try:
+        assert requests.get(handle.url + "/health_generate", timeout=5).status_code == 200
+        for path, body in (("/generate", {"input_ids": [5, 6], "sampling_params": GREEDY}),
+                           ("/update_weights_from_disk", {"model_path": str(target_dir)}),
+                           ("/init_weights_update_group", {"master_address": "10.0.0.1", "master_port": 1,
+                                                           "rank_offset": 1, "world_size": 2, "group_name": "g"}),
+                           ("/pause_generation", {})):
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                assert requests.post(handle.url + path, json=body, headers=headers, timeout=5).status_code == 401
+        assert requests.get(handle.url + "/model_info", timeout=5).status_code == 401
+        client = SGLangClient(handle.url, timeout_seconds=30, retries=0, api_key="k-123")
+        assert client.update_weights_from_disk(str(target_dir), weight_version="4")["success"]
+        assert client.generate([5, 6], GREEDY)[0]["meta_info"]["weight_version"] == "4"
+    finally:
+        handle.stop()
+
+
 def test_generation_after_an_unflushed_weight_update_is_refused(server, client, target_dir):
     """SGLang's radix cache keeps prefix KV of the old weights when an update says
     flush_cache=false; the stand-in refuses to generate until the cache is flushed."""

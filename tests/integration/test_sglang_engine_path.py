@@ -9,6 +9,7 @@ import time
 import psutil
 import pytest
 import ray
+import requests
 
 from miles_core.config import build_config
 from miles_core.driver import TrainSpec, run_training
@@ -91,6 +92,9 @@ def test_a_killed_engine_actor_takes_its_server_with_it(ray_local, warm_tiny):
     try:
         [pid] = server_pids()
         assert engines.router.slots[0].client.weight_version() == "0"
+        # the server was started with the group's key, and requires it
+        assert engines.api_key in psutil.Process(pid).cmdline()
+        assert requests.get(engines.urls[0] + "/model_info", timeout=10).status_code == 401
         ray.kill(engines.actors[0], no_restart=True)
         assert not wait_gone({pid})
     finally:
