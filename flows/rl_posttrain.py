@@ -105,7 +105,9 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
                          "(`miles show`) or drop --resume to start a new run")
     run_path = Path(run_dir).resolve() if run_dir else cfg.storage.work_path / "runs" / run_key
     run_path.mkdir(parents=True, exist_ok=True)
-    (run_path / "config.resolved.json").write_text(cfg.model_dump_json(indent=1))
+    resolved = run_path / "config.resolved.json"
+    resolved.touch(mode=0o600)
+    resolved.write_text(json.dumps(tracking.redact(cfg.model_dump(mode="json")), indent=1))
     (run_path / "RUN_KEY").write_text(run_key)
     uri, mlflow_run = tracking.start_or_attach_run(cfg, run_key, {
         "miles.flow_run_id": str(flow_run.id), "miles.deployment": str(deployment.name or "none"),

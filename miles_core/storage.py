@@ -121,15 +121,19 @@ def remove_quietly(fs: fsspec.AbstractFileSystem, path: str, recursive: bool = F
 
 
 def download_dir(src_uri: str, local_dir: str | Path, timeout_seconds: float | None = None) -> Path:
-    """Copy a remote directory tree to local_dir."""
+    """Copy a remote directory tree to local_dir. A key that would land outside local_dir
+    (`..` parts, an absolute path) is refused before anything is written."""
     fs, root = filesystem(src_uri, timeout_seconds)
     if not fs.exists(root):
         raise FileNotFoundError(f"{src_uri} does not exist")
-    local_dir = Path(local_dir)
+    local_dir = Path(local_dir).resolve()
+    remotes = fs.find(root)
+    targets = [local_dir / remote[len(root.rstrip("/")) + 1:] for remote in remotes]
+    escaping = [str(t) for t in targets if not t.resolve().is_relative_to(local_dir)]
+    if escaping:
+        raise ValueError(f"{src_uri} holds keys that escape {local_dir}: {escaping[:3]}; refusing to download")
     local_dir.mkdir(parents=True, exist_ok=True)
-    for remote in fs.find(root):
-        rel = remote[len(root.rstrip("/")) + 1:]
-        target = local_dir / rel
+    for remote, target in zip(remotes, targets):
         target.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(remote, str(target))
     return local_dir

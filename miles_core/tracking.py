@@ -16,7 +16,16 @@ from miles_core.config import RunConfig
 
 RUN_KEY_TAG = "miles.run_key"
 CONFIG_ARTIFACT = "config/resolved.json"
-SECRET_MARKERS = ("token", "secret", "password", "key_id", "access_key", "api_key")
+# A field holds a secret when a word of its name (split at _ - . and spaces, any case) is one of
+# these: api-key, apikey, private_key, passwd, authorization, credentials, HF_TOKEN,
+# aws_secret_access_key, ... ("max_new_tokens" is a count, not a token).
+SECRET_WORD = re.compile(r"(api)?key|token|secret.*|passw.*|auth.*|credentials?|private")
+# The schema's own fields that have such a word and hold no secret.
+NOT_SECRET = {"num_key_value_heads", "prompt_key", "label_key"}
+
+
+def is_secret_name(name: str) -> bool:
+    return name not in NOT_SECRET and any(SECRET_WORD.fullmatch(w) for w in re.split(r"[_\-.\s]+", name.lower()))
 
 
 def tracking_uri(cfg: RunConfig) -> str:
@@ -31,17 +40,29 @@ def client_for(uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+def redact(value: Any, name: str = "") -> Any:
+    """A copy with secrets replaced by "<redacted>": values of secret-looking field names (at any
+    depth, inside lists too) and the userinfo of URLs (s3://KEY:SECRET@host/...)."""
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v, name) for v in value]
+    if value and is_secret_name(name):
+        return "<redacted>"
+    if isinstance(value, str):
+        return re.sub(r"(://)[^/@\s]+@", r"\1<redacted>@", value)
+    return value
+
+
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """{dotted.name: text} of a config tree, redacted (what MLflow params may show)."""
     flat = {}
-    for key, value in tree.items():
+    for key, value in redact(tree).items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             flat.update(flatten(value, name + "."))
         else:
-            redact = any(marker in key.lower() for marker in SECRET_MARKERS)
-            # Credentials can also hide inside URLs (s3://KEY:SECRET@host/...).
-            text = re.sub(r"(://)[^/@\s]+@", r"\1<redacted>@", str(value))
-            flat[name] = "<redacted>" if redact and value else text[:6000]
+            flat[name] = str(value)[:6000]
     return flat
 
 

@@ -53,6 +53,7 @@ def test_summary_contract_and_learning(finished_run):
     assert summary["status"] == "completed" and summary["steps"] == STEPS
     assert summary["eval"]["after"] - summary["eval"]["before"] >= 0.20, summary["eval"]
     assert json.loads((run_dir / "config.resolved.json").read_text())["training"]["num_steps"] == STEPS
+    assert (run_dir / "config.resolved.json").stat().st_mode & 0o777 == 0o600
 
 
 def test_uploaded_export_loads_and_matches_eval(finished_run, tmp_path):

@@ -1,15 +1,18 @@
-"""Secrets in the environment never reach MLflow: params, tags, metrics, artifacts, registry."""
+"""Secrets in the environment never reach MLflow: params, tags, metrics, artifacts, registry;
+redaction goes by name pattern; store downloads stay in their target directory."""
 
+import json
 import os
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from miles_core import reports, tracking
-from miles_core.config import build_config
+from miles_core.config import RunConfig, build_config
 
 FAKE_SECRETS = {
     "AWS_SECRET_ACCESS_KEY": "fakeAwsSecret/9f3Kq2LmZx7Rt0Vb",
@@ -71,3 +74,28 @@ def test_config_fields_that_look_like_secrets_are_redacted():
         assert flat[key] == "<redacted>", key
     assert flat["tracking.token"] == ""
     assert not any(v in " ".join(flat.values()) for v in ("s3cr3t", "hf_abc", "k-123", "hunter2", "AKIA1"))
+
+
+def test_redaction_goes_by_name_pattern_at_any_depth_and_spares_counts():
+    tree = {"eval": {"external_command": "curl https://user:pw@host/x", "headers": {"Authorization": "Bearer z"}},
+            "env": [{"name": "A", "api-key": "k1"}, {"apikey": "k2", "private_key": "k3"}],
+            "db": {"passwd": "p1", "credentials": "c1"}, "rollout": {"max_new_tokens": 8}}
+    redacted = tracking.redact(tree)
+    text = json.dumps(redacted)
+    assert not any(s in text for s in ("user:pw", "Bearer z", "k1", "k2", "k3", "p1", "c1")), text
+    assert redacted["rollout"]["max_new_tokens"] == 8 and redacted["env"][0]["name"] == "A"
+    # no field of the schema itself is mistaken for a secret
+    assert "<redacted>" not in tracking.flatten(RunConfig().model_dump(mode="json")).values()
+
+
+def test_download_refuses_keys_that_escape_the_target(tmp_path):
+    import fsspec
+
+    from miles_core.storage import download_dir
+
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/slip/ok.txt", b"1")
+    memory.pipe("/slip/sub/../../../escaped.txt", b"x")
+    with pytest.raises(ValueError, match="escape"):
+        download_dir("memory://slip", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists() and not list(tmp_path.parent.glob("escaped.txt"))
