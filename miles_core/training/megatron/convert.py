@@ -11,12 +11,12 @@ CONVERTER_VERSION): the same HF weights converted by the same code give the same
 torch_dist checkpoints are layout-independent on load (a TP=1 save loads at TP=2).
 
 Loading note: dist_checkpointing's torch_dist load goes through torch.distributed.checkpoint,
-whose FileSystemReader reads ``.metadata`` with plain ``pickle.load`` (not weights_only), and
-ShardedObjects (BYTE_IO items) are read with ``torch.load(weights_only=False)``. ``common.pt``
-is read with torch.load's default (weights_only=True on torch >= 2.6, with megatron's safe
-globals). We never write ShardedObjects (the local spec's ``_extra_state`` entries are None
-and are dropped), and :func:`load_model_checkpoint` verifies the MANIFEST sha256 of every file
-before loading; still, only load torch_dist checkpoints from a trusted store.
+whose FileSystemReader reads ``.metadata`` with ``pickle.load``; we run it through a restricted
+unpickler (safe_metadata.py) that builds only DCP's metadata classes. ShardedObjects (BYTE_IO
+items) would be read with ``torch.load(weights_only=False)``: we never write them (the local
+spec's ``_extra_state`` entries are None and are dropped). ``common.pt`` is read with
+torch.load's default (weights_only=True, with megatron's safe globals), and
+:func:`load_model_checkpoint` verifies the MANIFEST sha256 of every file before loading.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from miles_core.checkpoint import sha256_file
+from miles_core.training.megatron.safe_metadata import restricted_metadata_loading
 
 CONVERTER_VERSION = "miles-megatron-torch_dist-v1"
 MANIFEST = "MANIFEST.json"
@@ -124,7 +125,8 @@ def save_sharded(sharded_state_dict: dict, directory: str | Path) -> None:
 def load_sharded(sharded_state_dict: dict, directory: str | Path) -> dict:
     from megatron.core import dist_checkpointing
 
-    return dist_checkpointing.load(sharded_state_dict, str(directory))
+    with restricted_metadata_loading():
+        return dist_checkpointing.load(sharded_state_dict, str(directory))
 
 
 def load_model_checkpoint(model, directory: str | Path) -> None:
