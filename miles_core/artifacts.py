@@ -186,7 +186,7 @@ def fetch_model(model_uri: str, cfg: RunConfig, dest: Path) -> Path:
     if model_uri.startswith("models:/"):
         local = registry.download_model(tracking.tracking_uri(cfg), model_uri, dest / "download")
     elif "://" in model_uri:
-        local = storage.download_dir(model_uri, dest / "download")
+        local = storage.download_dir(model_uri, dest / "download", cfg.model.request_timeout_seconds)
     else:
         local = Path(model_uri).expanduser().resolve()
     if (local / "config.json").is_file():

@@ -52,7 +52,7 @@ def model_identity(model: ModelConfig) -> str:
         entries = [(str(p.relative_to(path)), p.stat().st_size, str(p.stat().st_mtime_ns))
                    for p in path.rglob("*") if p.is_file()]
         return f"local:{path}:{_listing_identity(entries)}"
-    fs, root = filesystem(src)
+    fs, root = filesystem(src, model.request_timeout_seconds)
     if not fs.exists(root):
         raise ModelSourceError(f"model source {src!r} does not exist")
     entries = [(name, int(info.get("size", 0)), str(info.get("ETag") or info.get("mtime") or ""))
@@ -79,7 +79,7 @@ def materialize_model(model: ModelConfig, cache_dir: str | Path) -> tuple[Path, 
     elif src.startswith("hf://"):
         _download_hf(src, staging)
     else:
-        download_dir(src, staging)
+        download_dir(src, staging, model.request_timeout_seconds)
     _check_hf_dir(staging, src)
     (staging / MARKER).write_text(json.dumps({"identity": identity, "source": src}))
     shutil.rmtree(target, ignore_errors=True)

@@ -293,6 +293,10 @@ def restore_latest(store_uri: str, run_key: str, checkpoints_dir: Path, cfg: Che
     if latest is None:
         return None
     name = ckpt.step_dir_name(latest["step"])
+    expected = storage.join_uri(checkpoints_uri(store_uri, run_key), name)
+    if latest["uri"].rstrip("/") != expected:  # written by us, it names this run's own step directory
+        raise storage.UploadVerificationError(f"latest.json of run {run_key} points at {latest['uri']}, not at "
+                                              f"{expected}: refusing to download it")
     staging = checkpoints_dir / f"{name}.partial"
 
     def download() -> None:

@@ -47,6 +47,9 @@ class ModelConfig(Section):
     """Shape of the built-in model; ignored for other sources."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of trainer and engine. float32 on CPU."""
+    request_timeout_seconds: float = Field(60.0, gt=0)
+    """Connect and read timeout of each request to a remote model source (s3://, other fsspec
+    URLs), so a store that accepts connections but never answers fails the stage."""
 
     @model_validator(mode="after")
     def _known_scheme(self) -> ModelConfig:

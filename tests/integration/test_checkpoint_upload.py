@@ -208,6 +208,13 @@ def test_file_store_uploads_prunes_and_restores(tmp_path):
     assert ckpt.verify_checkpoint(fresh / "step_000030") is None
     assert uploads.restore_latest(store_uri, "no-such-run", tmp_path / "other", cfg) is None
 
+    # latest.json is trusted only to name this run's own step directory
+    shutil.copytree(remote, tmp_path / "elsewhere")
+    (remote / "latest.json").write_text(json.dumps(latest | {"uri": (tmp_path / "elsewhere").as_uri()}))
+    with pytest.raises(uploads.storage.UploadVerificationError, match="refusing to download"):
+        uploads.restore_latest(store_uri, key, tmp_path / "third-machine" / "checkpoints", cfg)
+    assert not (tmp_path / "third-machine").exists()
+
 
 def test_queued_checkpoints_are_superseded_by_the_newest(tmp_path, monkeypatch):
     release, real = threading.Event(), uploads.upload_checkpoint
