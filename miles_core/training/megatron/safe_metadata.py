@@ -15,8 +15,11 @@ from typing import Any
 
 import torch
 
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+# Modules whose own classes (dataclasses and enums) DCP metadata is made of; megatron's save
+# also records its SavePlan (planner module).
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
             ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
 
 
@@ -26,8 +29,11 @@ class MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module in _DCP_MODULES or module == "torch":
             found = super().find_class(module, name)  # a getattr on a module already imported
-            if isinstance(found, type) if module in _DCP_MODULES else isinstance(found, torch.dtype):
-                return found  # DCP's metadata classes; torch.float32 and the other dtypes
+            if module == "torch":
+                if isinstance(found, torch.dtype):
+                    return found  # torch.float32 and the other dtypes
+            elif isinstance(found, type) and found.__module__ == module:
+                return found  # a class defined there, not one it imports
         raise pickle.UnpicklingError(f"torch_dist metadata refers to {module}.{name}, which checkpoint metadata "
                                      "never holds: refusing to load it (is the store trusted?)")
 
