@@ -63,9 +63,15 @@ def local_environment(work_dir: str) -> None:
                                "not the work dir's prefect/ (import Prefect after calling local_environment)")
 
 
-def _load(config: Path, overrides: list[str]) -> RunConfig:
+def _load(config: Path, overrides: list[str], check_inputs: bool = True) -> RunConfig:
+    """The validated recipe, its inputs checked (miles_core.preflight); exit 2 with the reasons."""
+    from miles_core.preflight import preflight
+
     try:
-        return load_config(config, overrides)
+        cfg = load_config(config, overrides)
+        if check_inputs:
+            preflight(cfg)
+        return cfg
     except ConfigError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
@@ -100,9 +106,13 @@ def _warmup_steps(cfg) -> str:
 @app.command()
 def plan(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local.yaml"),
          set_: list[str] = typer.Option([], "--set", help="dotted.key=value override (repeatable)"),
-         fields: bool = typer.Option(False, "--fields", help="print every config field with its docs")) -> None:
-    """Validate a recipe and print the resolved config, resource layout and stages (runs nothing)."""
-    cfg = _load(config, set_)
+         fields: bool = typer.Option(False, "--fields", help="print every config field with its docs"),
+         skip_preflight: bool = typer.Option(False, "--skip-preflight",
+                                             help="validate the recipe only, not its model, data and store (e.g. "
+                                                  "sources that only the cluster reaches)")) -> None:
+    """Validate a recipe and its inputs, print the resolved config, resource layout and stages
+    (runs nothing, writes nothing)."""
+    cfg = _load(config, set_, check_inputs=not skip_preflight)
     if fields:
         table = Table("field", "default", "meaning", show_lines=False)
         for name, default, doc in field_docs():

@@ -16,6 +16,7 @@ from miles_core import ray_jobs, reports, tracking
 from miles_core.artifacts import ModelArtifact
 from miles_core.config import RunConfig, load_config
 from miles_core.driver import TrainSpec
+from miles_core.preflight import preflight
 from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, prepare_teacher, sft_warmup
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate
@@ -98,6 +99,7 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
                  resume_from: str | None = None, run_dir: str | None = None) -> dict:
     """RL post-training of one recipe, durable stage by stage; returns the run summary."""
     cfg = load_config(config_path, overrides or [])
+    preflight(cfg)  # inputs usable: before any directory, MLflow run or Ray start
     run_key = _run_key(resume_from, flow_run.id)
     if resume_from and tracking.find_run(cfg, run_key) is None:  # before anything is written
         raise ValueError(f"resume_from={resume_from!r}: no run with this key in MLflow experiment "

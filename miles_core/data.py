@@ -56,6 +56,42 @@ def _label_of(row: dict[str, Any], label_key: str) -> str:
     raise KeyError(label_key)
 
 
+def row_problem(line: str, prompt_key: str, label_key: str) -> str | None:
+    """What is wrong with one jsonl row (None when nothing): a JSON object whose prompt is a
+    string or a list of {role, content} messages with string content, and whose label is a
+    string or a number (or reward_model.ground_truth, the DAPO-Math layout)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return f"not JSON ({exc.msg})"
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    if prompt_key not in row:
+        return f"no '{prompt_key}' field"
+    problem = _prompt_problem(row[prompt_key])
+    if problem:
+        return f"'{prompt_key}': {problem}"
+    label = row[label_key] if label_key in row else (row.get("reward_model") or {}).get("ground_truth")
+    if label is None:
+        return f"no '{label_key}' (or reward_model.ground_truth), or it is null"
+    if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+        return f"'{label_key}' must be a string or a number, got {type(label).__name__}"
+    return None
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "empty"
+    if not isinstance(prompt, list) or not prompt:
+        return f"expected a string or a non-empty list of messages, got {type(prompt).__name__}"
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            return f"message {i} needs a string 'content' (and a 'role')"
+        if not isinstance(message.get("role"), str):
+            return f"message {i} needs a string 'role'"
+    return None
+
+
 def read_prompts(path: str | Path, data: DataConfig, tokenizer) -> list[Prompt]:
     """Read a jsonl of prompts (chat messages or text) + labels and tokenise them."""
     prompts, skipped_long = [], 0
@@ -63,14 +99,11 @@ def read_prompts(path: str | Path, data: DataConfig, tokenizer) -> list[Prompt]:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-                messages, label = row[data.prompt_key], _label_of(row, data.label_key)
-            except (json.JSONDecodeError, KeyError) as exc:
-                raise ValueError(
-                    f"{path}:{line_no}: expected a JSON object with '{data.prompt_key}' and "
-                    f"'{data.label_key}' (or reward_model.ground_truth): {exc!r}"
-                ) from None
+            problem = row_problem(line, data.prompt_key, data.label_key)
+            if problem is not None:
+                raise ValueError(f"{path}:{line_no}: {problem}")
+            row = json.loads(line)
+            messages, label = row[data.prompt_key], _label_of(row, data.label_key)
             if isinstance(messages, list) and data.apply_chat_template:
                 ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
                 ids = list(ids if isinstance(ids, list) else ids["input_ids"])

@@ -82,7 +82,8 @@ def test_miles_plan_on_every_recipe(recipe):
 
     from flows.cli import app
 
-    result = CliRunner().invoke(app, ["plan", str(REPO / "configs" / recipe)], terminal_width=200)
+    # the cluster recipes' models and data are not on this machine: the recipe alone is checked
+    result = CliRunner().invoke(app, ["plan", str(REPO / "configs" / recipe), "--skip-preflight"], terminal_width=200)
     assert result.exit_code == 0, result.output
     for row in ("trainer parallelism", "bundle 0", "total per trainer GPU", "optimizer"):
         assert row in result.output, row

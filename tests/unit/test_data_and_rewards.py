@@ -41,7 +41,7 @@ def test_reader_loads_both_real_dapo_layouts(tmp_path, tiny_model_dir):
 def test_reader_rejects_rows_without_label_with_line_number(tmp_path, tiny_model_dir):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "hi"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a JSON object"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: no 'label'"):
         read_prompts(path, DataConfig(), AutoTokenizer.from_pretrained(tiny_model_dir))
 
 

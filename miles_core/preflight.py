@@ -1,0 +1,135 @@
+"""What a run needs from the outside world, checked before anything of the run is written.
+
+`preflight(cfg)` is the first thing `miles plan`, `miles run` and the flow do: the model
+source, every data file (each row), reward functions, lengths against the model, and the
+object store. All problems are reported at once, each naming the field to fix; remote
+checks have short timeouts. Nothing here writes a file, starts Ray or opens an MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from miles_core.config import ConfigError, RunConfig
+from miles_core.data import row_problem
+from miles_core.rewards import get_reward
+
+REMOTE_TIMEOUT_SECONDS = 15.0
+BUILTIN_MAX_POSITIONS = 256  # max_position_embeddings of the model miles_core.tiny builds
+
+
+class PreflightError(ConfigError):
+    """The recipe is valid but its inputs are not there or not usable."""
+
+
+def preflight(cfg: RunConfig) -> None:
+    """PreflightError listing every problem found; returns None when the run can start."""
+    problems = [*_model_problems(cfg), *_data_problems(cfg), *_reward_problems(cfg), *_store_problems(cfg)]
+    if problems:
+        raise PreflightError("the run cannot start:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+# ---- model ----------------------------------------------------------------------------------------
+def _model_problems(cfg: RunConfig) -> Iterator[str]:
+    source = cfg.model.source
+    if source.startswith("builtin:"):
+        positions = BUILTIN_MAX_POSITIONS
+    elif source.startswith("hf://"):
+        yield from _hub_problems(source)
+        return
+    elif "://" in source:
+        yield from _remote_dir_problems("model.source", source)
+        return
+    else:
+        config_path = Path(source).expanduser() / "config.json"
+        if not config_path.is_file():
+            yield f"model.source: {config_path.parent} has no config.json (expected a Hugging Face model directory)"
+            return
+        try:
+            model_config = json.loads(config_path.read_text(encoding="utf-8"))
+            positions = int(model_config.get("max_position_embeddings", 0)) or None
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
+            yield f"model.source: {config_path} is not a valid config.json ({exc})"
+            return
+    new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    if positions is not None and new_tokens >= positions:
+        yield (f"rollout.max_new_tokens / eval.max_new_tokens: {new_tokens} new tokens do not fit the model's "
+               f"{positions} positions with any prompt; lower them")
+
+
+def _hub_problems(source: str) -> Iterator[str]:
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    repo, _, revision = source[len("hf://"):].partition("@")
+    try:
+        HfApi().repo_info(repo, revision=revision or None, timeout=REMOTE_TIMEOUT_SECONDS)
+    except (HfHubHTTPError, OSError, ValueError) as exc:  # OSError covers timeouts and refused connections
+        yield f"model.source: {source} is not reachable on the Hub ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def _remote_dir_problems(field: str, uri: str) -> Iterator[str]:
+    from miles_core.storage import filesystem
+
+    try:
+        fs, root = filesystem(uri, REMOTE_TIMEOUT_SECONDS)
+        if not fs.exists(root):
+            yield f"{field}: {uri} does not exist"
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the store is the finding
+        yield f"{field}: {uri} is not reachable ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+# ---- data -----------------------------------------------------------------------------------------
+def _data_problems(cfg: RunConfig) -> Iterator[str]:
+    files = [("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path),
+             *[(f"eval.datasets[{d.name}].path", d.path) for d in cfg.eval.datasets]]
+    for field, path in files:
+        if path is not None:
+            yield from _file_problems(field, Path(path).expanduser(), cfg.data.prompt_key, cfg.data.label_key)
+
+
+def _file_problems(field: str, path: Path, prompt_key: str, label_key: str, max_reported: int = 5) -> Iterator[str]:
+    if not path.is_file():
+        yield f"{field}: {path} does not exist"
+        return
+    found, rows = 0, 0
+    try:
+        with path.open(encoding="utf-8") as fh:
+            for line_no, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                rows += 1
+                problem = row_problem(line, prompt_key, label_key)
+                if problem is not None and found < max_reported:
+                    yield f"{field}: {path}:{line_no}: {problem}"
+                found += problem is not None
+    except UnicodeDecodeError as exc:
+        yield f"{field}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        return
+    if found > max_reported:
+        yield f"{field}: {path}: {found - max_reported} more bad rows"
+    if rows == 0:
+        yield f"{field}: {path} has no rows"
+
+
+# ---- rewards and the store ------------------------------------------------------------------------
+def _reward_problems(cfg: RunConfig) -> Iterator[str]:
+    names = [("rollout.reward", cfg.rollout.reward),
+             *[(f"eval.datasets[{d.name}].reward", d.reward) for d in cfg.eval.datasets if d.reward]]
+    for field, name in names:
+        try:
+            reward = get_reward(name)
+        except (ValueError, ImportError, AttributeError) as exc:
+            yield f"{field}: {exc}"
+            continue
+        if not callable(reward):
+            yield f"{field}: {name} is not a function"
+
+
+def _store_problems(cfg: RunConfig) -> Iterator[str]:
+    uri = cfg.storage.store_uri()
+    if uri.startswith(("s3://", "s3a://")):
+        bucket = uri.split("://", 1)[1].split("/", 1)[0]
+        yield from _remote_dir_problems("storage.object_store_uri", f"s3://{bucket}")

@@ -1,0 +1,62 @@
+"""Bad inputs fail before anything is written: `miles plan` and `miles run` check the model,
+every data row, rewards, lengths and the store, and name each problem at once (exit 2)."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+from miles_core.config import build_config
+from miles_core.preflight import PreflightError, preflight
+from tests.conftest import REPO
+
+RECIPE = str(REPO / "configs/local.yaml")
+GOOD_ROW = {"prompt": [{"role": "user", "content": "1+1="}], "label": "2"}
+
+
+def write_rows(path, rows) -> str:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"prompt": 5, "label": "2"}, "expected a string or a non-empty list of messages, got int"),
+    ({"prompt": [{"role": "user"}], "label": "2"}, "message 0 needs a string 'content'"),
+    ({"prompt": ["a", "b"], "label": "2"}, "message 0 needs a string 'content'"),
+    ({"prompt": "1+1=", "label": None}, "or it is null"),
+    ({"prompt": "1+1=", "label": {"v": 2}}, "must be a string or a number, got dict"),
+    ("not json", "not JSON"),
+    ('["a"]', "expected a JSON object, got list"),
+])
+def test_each_bad_row_is_named_with_file_and_line(tmp_path, row, problem):
+    path = write_rows(tmp_path / "train.jsonl", [GOOD_ROW, row])
+    with pytest.raises(PreflightError) as err:
+        preflight(build_config({}, [f"data.train_path={path}"]))
+    assert f"data.train_path: {path}:2: " in str(err.value) and problem in str(err.value)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    cfg = build_config({}, [f"data.train_path={tmp_path / 'missing.jsonl'}", f"model.source={tmp_path}",
+                            "rollout.reward=no_such_reward", "eval.datasets=[{name: aime, path: /nope.jsonl}]"])
+    with pytest.raises(PreflightError) as err:
+        preflight(cfg)
+    for field in ("model.source", "data.train_path", "rollout.reward", "eval.datasets[aime].path"):
+        assert f"  {field}: " in str(err.value), field
+
+
+def test_new_tokens_beyond_the_models_positions():
+    with pytest.raises(PreflightError, match="do not fit the model's 256 positions"):
+        preflight(build_config({}, ["rollout.max_new_tokens=300"]))
+
+
+def test_plan_and_run_exit_2_and_write_nothing(tmp_path):
+    bad = write_rows(tmp_path / "train.jsonl", [{"prompt": "1+1=", "label": None}])
+    work = tmp_path / "work"
+    for command in ("plan", "run"):
+        result = CliRunner().invoke(app, [command, RECIPE, "--set", f"data.train_path={bad}",
+                                          "--set", f"storage.work_dir={work}"], terminal_width=200)
+        assert result.exit_code == 2, result.output
+        assert "train.jsonl:1: no 'label'" in " ".join(result.output.split())  # rich wraps long lines
+    assert not work.exists()
+    assert CliRunner().invoke(app, ["plan", RECIPE], terminal_width=200).exit_code == 0
