@@ -64,3 +64,13 @@ def warm_tiny(shared_work_dir) -> dict:
             ray.shutdown()
     return {"cfg": cfg, "base": Path(model.model_dir), "warm": Path(warm.model_dir), "train": Path(data.train_path),
             "eval": Path(data.eval_path), "result": warm}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray of 2 CPUs for one test module (modules that need more start their own)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()

@@ -1,20 +1,12 @@
 """Rollout schedules on real Ray: ordering, staleness bounds and version monotonicity."""
 
 import pytest
-import ray
 
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
 from miles_core.driver import TrainSpec, run_training
 
 NUM_STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def spec(tmp_path, tiny_model_dir, *overrides):

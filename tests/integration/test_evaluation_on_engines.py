@@ -3,18 +3,10 @@ process, and scores what the in-process engine scores."""
 
 import time
 
-import pytest
 import ray
 
 from miles_core.config import EvalDatasetConfig
 from miles_core.evaluation import evaluate_all, evaluate_on_engines
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def test_engine_side_eval_scores_like_the_in_process_engine(ray_local, warm_tiny):

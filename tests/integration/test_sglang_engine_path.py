@@ -7,7 +7,6 @@ import signal
 import time
 
 import psutil
-import pytest
 import ray
 import requests
 
@@ -18,13 +17,6 @@ from miles_core.rollout.engine_group import EngineGroup
 
 SERVER_MODULE = "miles_core.rollout.http_server"
 NUM_STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def server_pids() -> set[int]:

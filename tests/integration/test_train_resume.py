@@ -3,19 +3,11 @@
 import json
 
 import pytest
-import ray
 from safetensors.torch import load_file
 
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
 from miles_core.driver import TrainSpec, run_training
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def spec_for(tmp_path, tiny_model_dir, run_dir, num_steps, *overrides):

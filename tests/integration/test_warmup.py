@@ -4,7 +4,6 @@ deterministic (same seed, same weights)."""
 import logging
 
 import pytest
-import ray
 from transformers import AutoTokenizer
 
 from miles_core.data import read_prompts
@@ -12,13 +11,6 @@ from miles_core.evaluation import evaluate_greedy
 from miles_core.rollout.engine import EmbeddedEngine
 from miles_core.warmup import run_sft_warmup, split_probe
 from miles_core.weight_layout import weights_sha256
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def prompts_of(warm_tiny):
