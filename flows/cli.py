@@ -180,7 +180,13 @@ def show(run_dir: Path = typer.Argument(..., help="a run directory containing su
     if not path.is_file():
         console.print(f"[red]{path} not found: the run has not finished (or the path is wrong)[/red]")
         raise typer.Exit(1)
-    print_summary(json.loads(path.read_text()))
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        print_summary(summary)
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        console.print(f"[red]{path} is not a complete run summary ({type(exc).__name__}: {exc}); the run may have "
+                      "been stopped while writing it: rerun with `miles run ... --resume <run_key>`[/red]")
+        raise typer.Exit(1) from None
 
 
 def main() -> None:

@@ -102,9 +102,10 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] |
     preflight(cfg)  # inputs usable: before any directory, MLflow run or Ray start
     run_key = _run_key(resume_from, flow_run.id)
     if resume_from and tracking.find_run(cfg, run_key) is None:  # before anything is written
+        known = ", ".join(tracking.recent_run_keys(cfg)) or "none"
         raise ValueError(f"resume_from={resume_from!r}: no run with this key in MLflow experiment "
-                         f"{cfg.tracking.experiment_name!r} at {tracking.tracking_uri(cfg)}; check the key "
-                         "(`miles show`) or drop --resume to start a new run")
+                         f"{cfg.tracking.experiment_name!r} at {tracking.tracking_uri(cfg)} (latest run keys: {known}); "
+                         "check the key or drop --resume to start a new run")
     run_path = Path(run_dir).resolve() if run_dir else cfg.storage.work_path / "runs" / run_key
     run_path.mkdir(parents=True, exist_ok=True)
     resolved = run_path / "config.resolved.json"

@@ -98,6 +98,16 @@ def start_or_attach_run(cfg: RunConfig, run_key: str, tags: dict[str, str]) -> t
     return uri, run.info.run_id
 
 
+def recent_run_keys(cfg: RunConfig, limit: int = 5) -> list[str]:
+    """The run keys of the experiment's latest runs, newest first (for error messages)."""
+    client = client_for(tracking_uri(cfg))
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
+    if experiment is None:
+        return []
+    runs = client.search_runs([experiment.experiment_id], max_results=limit, order_by=["attributes.start_time DESC"])
+    return [run.data.tags[RUN_KEY_TAG] for run in runs if RUN_KEY_TAG in run.data.tags]
+
+
 def find_run(cfg: RunConfig, run_key: str) -> tuple[str, str] | None:
     """(tracking uri, MLflow run id) of a run key, if its run was created."""
     uri = tracking_uri(cfg)

@@ -4,8 +4,12 @@ a key with no run fails before anything of a run is written."""
 import pytest
 
 from flows.rl_posttrain import rl_posttrain
+from miles_core import tracking
 from miles_core.checkpoint import check_run_key
+from miles_core.config import load_config
 from tests.conftest import REPO
+
+RECIPE = str(REPO / "configs/local.yaml")
 
 
 @pytest.mark.parametrize("key", ["92521669-6824-4ab4-9c67-21547d1d30a4", "local-1733310000", "run_7.b"])
@@ -19,10 +23,23 @@ def test_paths_quotes_and_dot_dot_are_not(key):
         check_run_key(key)
 
 
-@pytest.mark.parametrize("key, message", [("../outside", "invalid run key"), ("never-ran", "no run with this key")])
+@pytest.mark.parametrize("key, message", [("../outside", "invalid run key"),
+                                          ("never-ran", "no run with this key .*latest run keys: run-that-exists")])
 def test_resume_of_a_bad_or_unknown_key_fails_before_writing(tmp_path, key, message):
     work = tmp_path / "work"
     overrides = [f"storage.work_dir={work}", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    tracking.start_or_attach_run(load_config(RECIPE, overrides), "run-that-exists", {})
     with pytest.raises(ValueError, match=message):
-        rl_posttrain.fn(str(REPO / "configs/local.yaml"), overrides, resume_from=key)
+        rl_posttrain.fn(RECIPE, overrides, resume_from=key)
     assert not (work / "runs").exists() and not (tmp_path / "outside").exists()
+
+
+def test_show_of_a_truncated_summary_is_a_message(tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    (tmp_path / "summary.json").write_text('{"run_key": "abc", "status": "compl')
+    result = CliRunner().invoke(app, ["show", str(tmp_path)], terminal_width=200)
+    assert result.exit_code == 1 and "not a complete run summary" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
