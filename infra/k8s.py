@@ -35,12 +35,13 @@ def work_pool_template(image: str, namespace: str) -> dict:
         "image": {"type": "string", "default": image, "description": "Image with this project installed."},
         "namespace": {"type": "string", "default": namespace},
         "secret_name": {"type": "string", "default": "miles-credentials",
-                        "description": "Secret holding AWS_*, HF_TOKEN, MLFLOW_TRACKING_URI."},
+                        "description": "Secret holding AWS_*, HF_TOKEN, MLFLOW_TRACKING_URI, RAY_AUTH_TOKEN."},
         "service_account_name": {"type": "string", "default": "miles-runner",
                                  "description": "Needs RBAC to create RayJobs in the namespace."},
         "finished_job_ttl": {"type": "integer", "default": 86400},
         "name": {"type": "string", "default": "rl-posttrain"}, "command": {"type": "string"},
-        "env": {"type": "object", "default": {}}, "labels": {"type": "object", "default": {}}}}
+        # the flow pod submits to a Ray cluster that runs with token auth (its token: the secret's)
+        "env": {"type": "object", "default": {"RAY_AUTH_MODE": "token"}}, "labels": {"type": "object", "default": {}}}}
     return {"job_configuration": {"command": "{{ command }}", "env": "{{ env }}", "labels": "{{ labels }}",
                                   "name": "{{ name }}", "namespace": "{{ namespace }}", "job_manifest": job,
                                   "cluster_config": "{{ cluster_config }}", "job_watch_timeout_seconds": None,
@@ -51,7 +52,11 @@ def work_pool_template(image: str, namespace: str) -> dict:
 def _container(name: str, image: str, gpus: int, cpus: int, memory_gib: int) -> dict:
     limits = {"cpu": str(cpus), "memory": f"{memory_gib}Gi", **({"nvidia.com/gpu": str(gpus)} if gpus else {})}
     return {"name": name, "image": image, "resources": {"limits": limits, "requests": dict(limits)},
-            "env": [{"name": "RAY_AUTH_MODE", "value": "disabled"}, {"name": "NCCL_NVLS_ENABLE", "value": "0"}],
+            # Ray's ports are open to the pod network: token auth, the token from the credentials secret
+            "env": [{"name": "RAY_AUTH_MODE", "value": "token"},
+                    {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "miles-credentials",
+                                                                               "key": "RAY_AUTH_TOKEN"}}},
+                    {"name": "NCCL_NVLS_ENABLE", "value": "0"}],
             "envFrom": [{"secretRef": {"name": "miles-credentials"}}]}
 
 

@@ -6,8 +6,9 @@ service's pid, ports, command line and log; `env` is a file to `source` (it hold
 fake S3 credentials, so it is written 0600 and never printed unmasked).
 
 Every server binds 127.0.0.1, except Ray: `ray start` replaces a loopback --node-ip-address with
-the machine's address, and its GCS/raylet listen on all interfaces. Do not run this stack on a
-host whose other interfaces face an untrusted network.
+the machine's address, and its GCS/raylet listen on all interfaces. So Ray runs with token
+authentication (RAY_AUTH_MODE=token): the token is drawn per stack and kept in `env`, and a
+client without it is refused.
 
 Each service is started with start_new_session=True, so its pid is also its session id; `down`
 signals every process of that session (Ray's workers change their process group but not their
@@ -108,18 +109,22 @@ def _write_env_file(sd: Path, env: dict[str, str]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "RAY_AUTH_TOKEN")
+
+
 def mask_env(env: dict[str, str]) -> dict[str, str]:
     """Values of secret-looking keys replaced, so that status output never shows them."""
     return {k: ("****" if any(w in k for w in SECRET_WORDS) else v) for k, v in env.items()}
 
 
 def _credentials(sd: Path) -> dict[str, str]:
-    # Reuse the stack's credentials on a second `up`, so running clients keep working.
+    """The S3 keys and Ray's auth token (Ray listens on the node IP, not only loopback, so every
+    client must present the token). A second `up` reuses them, so running clients keep working."""
     old = read_env_file(sd)
-    if old.get("AWS_ACCESS_KEY_ID") and old.get("AWS_SECRET_ACCESS_KEY"):
-        return {k: old[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    if all(old.get(k) for k in CREDENTIALS):
+        return {k: old[k] for k in CREDENTIALS}
     return {"AWS_ACCESS_KEY_ID": "MILESLOCAL" + secrets.token_hex(5).upper(),
-            "AWS_SECRET_ACCESS_KEY": secrets.token_urlsafe(30)}
+            "AWS_SECRET_ACCESS_KEY": secrets.token_urlsafe(30), "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
 def _cmdline(pid: int) -> list[str] | None:
@@ -324,7 +329,7 @@ def _ray_jobs_url(ports: list[int]) -> str:
 
 
 def _user_env(urls: dict[str, str], creds: dict[str, str], state: dict | None = None) -> dict[str, str]:
-    env = {**creds, "AWS_DEFAULT_REGION": REGION, "RAY_AUTH_MODE": "disabled"}
+    env = {**creds, "AWS_DEFAULT_REGION": REGION, "RAY_AUTH_MODE": "token"}
     if "s3" in urls:
         env.update(MLFLOW_S3_ENDPOINT_URL=urls["s3"], AWS_ENDPOINT_URL_S3=urls["s3"],
                    MILES_OBJECT_STORE_URI="s3://miles")

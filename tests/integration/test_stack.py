@@ -20,7 +20,7 @@ from infra import stack, stack_cli
 LOOPBACK_IPS = {"127.0.0.1", "::ffff:127.0.0.1"}
 ENV_KEYS = {"PREFECT_API_URL", "MLFLOW_TRACKING_URI", "MLFLOW_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
             "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
-            "MILES_OBJECT_STORE_URI", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_API_SERVER_ADDRESS"}
+            "MILES_OBJECT_STORE_URI", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_API_SERVER_ADDRESS"}
 
 
 def test_status_output_masks_secrets(tmp_path):
@@ -98,6 +98,16 @@ def test_services_healthy_and_on_loopback(live_stack):
             assert addrs  # Ray cannot bind to loopback only (see infra/stack.py)
         else:
             assert addrs and {ip for ip, _ in addrs} <= LOOPBACK_IPS, (name, addrs)
+
+
+def test_ray_refuses_clients_without_the_stacks_token(live_stack):
+    """Ray listens beyond loopback, so it runs with token auth: the Jobs API answers a client
+    with the env file's token and refuses one without it."""
+    env = stack.read_env_file(live_stack.state_dir)
+    assert env["RAY_AUTH_MODE"] == "token" and len(env["RAY_AUTH_TOKEN"]) >= 64
+    jobs = env["RAY_API_SERVER_ADDRESS"] + "/api/jobs/"
+    assert requests.get(jobs, timeout=10).status_code in (401, 403)
+    assert requests.get(jobs, headers={"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"}, timeout=10).ok
 
 
 def test_mlflow_artifact_lands_in_s3(live_stack, tmp_path, monkeypatch):

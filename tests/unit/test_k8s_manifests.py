@@ -30,3 +30,14 @@ def test_rayjob_is_sized_from_the_recipe():
     assert workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
     template = json.loads((SNAPSHOTS / "work-pool-template.json").read_text())
     assert "secretRef" in json.dumps(template) and "AWS_SECRET" not in json.dumps(template)
+
+
+def test_ray_runs_with_token_auth_from_the_secret():
+    job = yaml.safe_load((SNAPSHOTS / "rayjob.yaml").read_text())
+    spec = job["spec"]["rayClusterSpec"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        env = {e["name"]: e for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "RAY_AUTH_TOKEN"
+    template = json.loads((SNAPSHOTS / "work-pool-template.json").read_text())
+    assert template["variables"]["properties"]["env"]["default"] == {"RAY_AUTH_MODE": "token"}
