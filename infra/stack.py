@@ -273,7 +273,7 @@ def _ray_address(rec: dict) -> str | None:
     return path.read_text().strip() or None
 
 
-def _healthy(name: str, rec: dict) -> bool:
+def _healthy(name: str, rec: dict, ray_token: str | None = None) -> bool:
     try:
         if name in ("prefect", "mlflow"):
             return requests.get(f"{rec['url']}/health", timeout=5).status_code == 200
@@ -286,7 +286,8 @@ def _healthy(name: str, rec: dict) -> bool:
             host, port = address.rsplit(":", 1)
             socket.create_connection((host, int(port)), timeout=3).close()
             rec["url"] = address
-            requests.get(f"{_ray_jobs_url(rec['ports'])}/api/version", timeout=5).raise_for_status()
+            auth = {"Authorization": f"Bearer {ray_token}"} if ray_token else {}
+            requests.get(f"{_ray_jobs_url(rec['ports'])}/api/version", headers=auth, timeout=5).raise_for_status()
         return bool(address)
     except (requests.RequestException, OSError, ValueError):
         return False
@@ -430,7 +431,7 @@ def _wait_all(sd: Path, state: dict, names: list[str], creds: dict, user_env: di
         while pending:
             for name in list(pending):
                 rec = state["services"][name]
-                if _healthy(name, rec):
+                if _healthy(name, rec, creds.get("RAY_AUTH_TOKEN")):
                     pending.remove(name)
                     _on_ready(sd, state, name, creds, name in opts.get("fresh", ()))
                 elif not _is_ours(rec):
@@ -517,9 +518,9 @@ def stop_stack(state_dir=DEFAULT_STATE_DIR, grace: float = 15.0) -> None:
 
 def stack_status(state_dir=DEFAULT_STATE_DIR) -> list[dict]:
     sd = Path(state_dir).resolve()
-    rows = []
+    rows, token = [], read_env_file(sd).get("RAY_AUTH_TOKEN")
     for name, rec in _load_state(sd)["services"].items():
-        alive = _is_ours(rec) and _healthy(name, rec)
+        alive = _is_ours(rec) and _healthy(name, rec, token)
         rows.append({"service": name, "url": rec.get("url", ""), "pid": rec["pid"],
                      "alive": alive, "log": rec["log"], "note": rec.get("note", "")})
     return rows

@@ -53,11 +53,14 @@ def jobs_client(placement: PlacementConfig) -> TimeoutJobClient:
 
 
 class TimeoutJobClient(JobSubmissionClient):
-    """JobSubmissionClient whose every HTTP call has a timeout (the SDK sets none)."""
+    """JobSubmissionClient whose every HTTP call has a timeout (the SDK sets none) and carries
+    the cluster's token ($RAY_AUTH_TOKEN) when there is one, whatever auth mode this process's
+    Ray settled on when it was first imported."""
 
     def __init__(self, address: str, timeout_seconds: float = 30.0):
         self.timeout_seconds = timeout_seconds
-        super().__init__(address)
+        token = os.environ.get("RAY_AUTH_TOKEN")
+        super().__init__(address, headers={"Authorization": f"Bearer {token}"} if token else None)
 
     def _do_request(self, *args, **kwargs):
         kwargs.setdefault("timeout", self.timeout_seconds)

@@ -144,7 +144,8 @@ def test_prod_runs_its_driver_as_ray_job_survives_a_kill_guards_concurrency_and_
     second = run_deployment(deployed, "rl-posttrain/prod", params, check=False)
     assert wait_state(deployed, second, {"CANCELLED"}, 300) == "CANCELLED"
 
-    jobs = JobSubmissionClient(deployed["env"]["RAY_API_SERVER_ADDRESS"])
+    token = deployed["env"]["RAY_AUTH_TOKEN"]  # the stack's Ray requires it
+    jobs = JobSubmissionClient(deployed["env"]["RAY_API_SERVER_ADDRESS"], headers={"Authorization": f"Bearer {token}"})
     run_dir = deployed["project"] / ".miles" / "runs" / first
     wait_for(lambda: complete_steps(run_dir), 600, "the first checkpoint")
     pid = wait_for(lambda: getattr(jobs.get_job_info(f"miles-{first}-1").driver_info, "pid", None), 60,

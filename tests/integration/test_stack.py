@@ -155,12 +155,13 @@ def test_prefect_client_sees_pool_and_worker(live_stack):
     assert any(w.name == stack.WORKER_NAME for w in workers)
 
 
-def test_ray_jobs_api_is_up_on_loopback(live_stack):
-    from ray.job_submission import JobSubmissionClient
+def test_ray_jobs_api_is_up_on_loopback(live_stack, monkeypatch):
+    from miles_core.ray_jobs import TimeoutJobClient
 
+    monkeypatch.setenv("RAY_AUTH_TOKEN", live_stack.env["RAY_AUTH_TOKEN"])  # as `source <state dir>/env` does
     address = live_stack.env["RAY_API_SERVER_ADDRESS"]
     assert address.startswith("http://127.0.0.1:")
-    assert isinstance(JobSubmissionClient(address).list_jobs(), list)
+    assert isinstance(TimeoutJobClient(address).list_jobs(), list)
 
 
 def test_crashed_run_automations_are_installed_once(live_stack):
