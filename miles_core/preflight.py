@@ -44,6 +44,9 @@ def _model_problems(cfg: RunConfig) -> Iterator[str]:
         return
     else:
         config_path = Path(source).expanduser() / "config.json"
+        if not config_path.parent.is_dir():
+            yield f"model.source: directory {config_path.parent} does not exist"
+            return
         if not config_path.is_file():
             yield f"model.source: {config_path.parent} has no config.json (expected a Hugging Face model directory)"
             return

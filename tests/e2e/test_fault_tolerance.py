@@ -147,13 +147,28 @@ def test_bad_config_fails_fast_with_one_message(work_dir, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-def test_missing_model_path_fails_without_retries(work_dir, tmp_path):
+def test_missing_model_path_fails_before_anything_is_written(work_dir, tmp_path):
     proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(tmp_path / "nomodel"),
                  overrides=[f"model.source={tmp_path / 'no-such-model'}"])
+    proc.wait(timeout=120)
+    out = output(proc)
+    assert proc.returncode == 2
+    assert "no-such-model" in out and "does not exist" in out and "Traceback" not in out
+    assert not (tmp_path / "nomodel").exists()
+
+
+def test_a_model_that_cannot_load_fails_without_retries(work_dir, tmp_path, tiny_model_dir):
+    """Past the preflight (config.json is there), the weights are not: a permanent failure."""
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    for path in Path(tiny_model_dir).iterdir():
+        if path.suffix != ".safetensors":
+            (broken / path.name).write_bytes(path.read_bytes())
+    proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(tmp_path / "nomodel"),
+                 overrides=[f"model.source={broken}"])
     proc.wait(timeout=300)
     out = output(proc)
     assert proc.returncode != 0
-    assert "no-such-model" in out and "does not exist" in out
     assert "Retry 1/" not in out
     # the run's MLflow run ends FAILED, not RUNNING forever
     run_key = (tmp_path / "nomodel" / "RUN_KEY").read_text()
