@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -349,6 +350,15 @@ class StorageConfig(Section):
         return self.object_store_uri or os.environ.get("MILES_OBJECT_STORE_URI") or (self.work_path / "store").as_uri()
 
 
+def _strings(tree: object, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted name, value) of every string in a config dump, lists included."""
+    if isinstance(tree, dict):
+        return [item for key, value in tree.items() for item in _strings(value, f"{prefix}{key}.")]
+    if isinstance(tree, list):
+        return [item for i, value in enumerate(tree) for item in _strings(value, f"{prefix}{i}.")]
+    return [(prefix.rstrip("."), tree)] if isinstance(tree, str) else []
+
+
 class RunConfig(Section):
     """One recipe: everything a run needs, nothing implicit."""
 
@@ -385,7 +395,17 @@ class RunConfig(Section):
         self._engines_fit()
         self._routing_replay_fits()
         self._teacher_fits()
+        self._no_credentials_in_urls()
         return self
+
+    def _no_credentials_in_urls(self) -> None:
+        """A recipe and its --set values are logged, tracked and stored as flow parameters:
+        credentials belong in the environment, never in a URL's user:password@."""
+        for name, value in _strings(self.model_dump(mode="json")):
+            if re.search(r"://[^/@\s]+@", value):
+                raise ValueError(f"{name} holds credentials in a URL (user:password@host): remove them and set them "
+                                 "in the environment instead (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                                 "MLFLOW_TRACKING_URI, HF_TOKEN, ...)")
 
     def _groups_fit(self) -> None:
         if self.algorithm.name in GROUP_ALGORITHMS and self.rollout.num_samples_per_prompt < 2:

@@ -181,3 +181,13 @@ def test_recipe_mistakes_are_errors(tmp_path, content, message):
 def test_malformed_set_value_is_an_error_not_a_traceback():
     with pytest.raises(ConfigError, match="not valid YAML"):
         build_config({}, ["training.lr=[1,"])
+
+
+def test_credentials_in_a_url_are_refused_wherever_they_are():
+    for override in ("storage.object_store_uri=s3://AKIA:s3cr3t@minio:9000/bucket",
+                     "tracking.tracking_uri=postgresql://mlflow:pw@db/mlflow",
+                     "eval.external_command='curl https://user:pw@host/x'"):
+        with pytest.raises(ConfigError, match="credentials in a URL") as err:
+            build_config({}, [override])
+        assert "s3cr3t" not in str(err.value) and "pw@" not in str(err.value) and "environment" in str(err.value)
+    assert build_config({}, ["storage.object_store_uri=s3://bucket/prefix"]).storage.object_store_uri
