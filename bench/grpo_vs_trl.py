@@ -74,8 +74,7 @@ class _LocalEngines:
         self.engine = engine
 
     def generate(self, input_ids, sampling_params):
-        return self.engine.generate(input_ids, sampling_params, return_logprob=True,
-                                    seed=sampling_params.get("sampling_seed"))
+        return self.engine.generate(input_ids, sampling_params, return_logprob=True)  # a seed per sample
 
 
 class OursInProcess:

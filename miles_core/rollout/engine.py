@@ -23,6 +23,25 @@ from transformers import (
 
 from miles_core.weight_layout import fused_layout, weights_sha256
 
+# A seedless request in a seeded batch gets SGLang's deterministic-sampling default.
+SGLANG_DEFAULT_SEED = 42
+
+
+def split_sampling_params(params: dict | list[dict], num_prompts: int) -> tuple[dict, list[int] | None]:
+    """SGLang's `sampling_params` of a batch (one dict, or one per prompt) as one shared set and
+    the sampling seed of each prompt (None: unseeded). Like SGLang, a single dict's seed applies
+    to every prompt (so n samples of one prompt with one seed are n identical samples)."""
+    per_prompt = params if isinstance(params, list) else [params] * num_prompts
+    if len(per_prompt) != num_prompts:
+        raise ValueError(f"{len(per_prompt)} sampling_params for {num_prompts} prompts")
+    unseeded = [{k: v for k, v in p.items() if k != "sampling_seed"} for p in per_prompt]
+    if any(p != unseeded[0] for p in unseeded):  # one transformers call takes one set
+        raise ValueError("per-prompt sampling_params may differ only in sampling_seed on the embedded engine")
+    seeds = [p.get("sampling_seed") for p in per_prompt]
+    if all(s is None for s in seeds):
+        return unseeded[0], None
+    return unseeded[0], [SGLANG_DEFAULT_SEED if s is None else int(s) for s in seeds]
+
 
 class EmbeddedEngine:
     """A transformers model that generates batches of token-id prompts."""
@@ -62,13 +81,17 @@ class EmbeddedEngine:
         return weights_sha256(state)
 
     @torch.no_grad()
-    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
+    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
                  return_logprob: bool = True, seed: int | None = None, seeds: list[int] | None = None,
                  return_routed_experts: bool = False) -> list[dict[str, Any]]:
-        """seeds: one sampling seed per prompt (SGLang's per-request sampling_seed: the same
-        prompt and seed give the same sample); seed: row i samples with seed + i; neither:
-        torch's global generator. return_routed_experts (MoE models): meta_info.routed_experts
-        is a nested list [len(prompt) + len(output) - 1, num_layers, top_k] of expert ids."""
+        """sampling_params: one dict, or one per prompt as SGLang takes them (their seeds become
+        `seeds`). seeds: one sampling seed per prompt (the same prompt and seed give the same
+        sample); seed: row i samples with seed + i; neither: torch's global generator.
+        return_routed_experts (MoE models): meta_info.routed_experts is a nested list
+        [len(prompt) + len(output) - 1, num_layers, top_k] of expert ids."""
+        if isinstance(sampling_params, list):
+            sampling_params, listed = split_sampling_params(sampling_params, len(input_ids))
+            seeds = seeds if seeds is not None else listed
         if seeds is None and seed is not None:
             seeds = [seed + row for row in range(len(input_ids))]
         if seeds is not None and len(seeds) != len(input_ids):

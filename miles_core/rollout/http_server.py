@@ -34,7 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from miles_core.net import init_custom_process_group
-from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.rollout.engine import EmbeddedEngine, split_sampling_params
 from miles_core.rollout.sglang_args import SERVER_ARGS
 from miles_core.weight_layout import checkpoint_layout
 
@@ -47,8 +47,6 @@ DTYPES = {"auto": "float32", "float": "float32", "half": "float16"}
 SUPPORTED_SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"}
 # SGLang's weight version before any update names none of the run's versions.
 SGLANG_START_VERSION = "default"
-# A seedless request in a seeded batch gets SGLang's deterministic-sampling default.
-SGLANG_DEFAULT_SEED = 42
 
 
 class _Request:
@@ -180,18 +178,10 @@ class EngineService:
         return outs
 
     def _sampling_params(self, params: dict | list | None, num_prompts: int) -> tuple[dict, list[int] | None]:
-        """One set of params for the batch, and the sampling seed of each prompt (None: unseeded).
-        Like SGLang, a single dict's seed applies to every prompt of the batch (so n samples of
-        one prompt with one seed are n identical samples); a list gives one set per prompt."""
-        per_prompt = params if isinstance(params, list) else [params or {}] * num_prompts
-        if len(per_prompt) != num_prompts:
-            raise ValueError(f"{len(per_prompt)} sampling_params for {num_prompts} prompts")
-        unseeded = [{k: v for k, v in p.items() if k != "sampling_seed"} for p in per_prompt]
-        if any(p != unseeded[0] for p in unseeded):  # one transformers call takes one set
-            raise ValueError("per-prompt sampling_params may differ only in sampling_seed on the embedded engine")
-        seeds = [p.get("sampling_seed") for p in per_prompt]
-        seeds = None if all(s is None for s in seeds) else [SGLANG_DEFAULT_SEED if s is None else int(s) for s in seeds]
-        merged = {"max_new_tokens": 128, **unseeded[0]}  # 128 is SGLang's default
+        """One set of params for the batch and the sampling seed of each prompt (see
+        engine.split_sampling_params), with SGLang's default budget."""
+        shared, seeds = split_sampling_params(params or {}, num_prompts)
+        merged = {"max_new_tokens": 128, **shared}  # 128 is SGLang's default
         for key in sorted(set(merged) - SUPPORTED_SAMPLING - self.warned_params):
             logger.warning("sampling param %r is ignored by the embedded engine", key)
             self.warned_params.add(key)

@@ -100,7 +100,7 @@ class _RecordingEngines:
 
     def generate(self, input_ids, sampling_params, **extra):
         self.extras.append(extra)
-        return self.engine.generate(input_ids, sampling_params, seed=0,
+        return self.engine.generate(input_ids, sampling_params,
                                     return_routed_experts=extra.get("return_routed_experts", False))
 
 

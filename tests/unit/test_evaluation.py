@@ -86,10 +86,11 @@ def test_sampled_pass_at_k_and_avg_are_exact():
     assert result["num_prompts"] == 4 and result["num_samples"] == 4
     assert result["examples"][1] == {"prompt": "q1", "label": "1", "responses": SCRIPT[1],
                                      "rewards": [1.0, 0.0, 0.0, 0.0]}
-    # 16 sequences in batches of 3, sampling settings passed through, one distinct seed per batch
+    # 16 sequences in batches of 3, sampling settings passed through; row i of the batch starting
+    # at sequence s samples with seed 11 + s + i, so every sequence has a seed of its own
     assert [c["batch"] for c in engine.calls] == [3, 3, 3, 3, 3, 1]
     assert engine.calls[0]["params"] == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 5}
-    assert [c["seed"] for c in engine.calls] == list(range(11, 17))
+    assert [c["seed"] for c in engine.calls] == [11 + start for start in range(0, 16, 3)]
 
 
 def test_avg_at_n_is_mean_reward_not_accuracy_for_signed_rewards():
