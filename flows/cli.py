@@ -73,7 +73,7 @@ def _load(config: Path, overrides: list[str], check_inputs: bool = True) -> RunC
             preflight(cfg)
         return cfg
     except ConfigError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)  # one line per problem, paths unbroken
         raise typer.Exit(2) from None
 
 
@@ -148,7 +148,7 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
         summary = rl_posttrain(config_path=str(config), overrides=list(set_), resume_from=resume,
                                run_dir=str(run_dir) if run_dir else None)
     except Exception as exc:  # noqa: BLE001 - the CLI boundary: one clear line, details in the log above
-        console.print(f"[red]run failed: {type(exc).__name__}: {exc}[/red]")
+        console.print(f"[red]run failed: {type(exc).__name__}: {exc}[/red]", soft_wrap=True)
         raise typer.Exit(1) from None
     print_summary(summary)
 
