@@ -71,6 +71,8 @@ def ray_local():
     """A local Ray of 2 CPUs for one test module (modules that need more start their own)."""
     import ray
 
+    if ray.is_initialized():  # left up by a test that failed mid-way: it must not fail every later module
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
