@@ -142,7 +142,8 @@ def test_group_samples_get_one_seed_each():
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_embedded_server_serves_sglang_routes(version):
-    from miles_core.rollout.http_server import EngineService, create_app
+    from miles_core.rollout.engine_service import EngineService
+    from miles_core.rollout.http_server import create_app
 
     app = create_app(EngineService("unused"))
     sglang_routes = SNAPSHOT["versions"][version]["routes"]["routes"]

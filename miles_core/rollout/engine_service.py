@@ -1,0 +1,288 @@
+"""The embedded engine's server state: the engine, its lock, requests in flight, the pause
+gate and the weight-update groups, with SGLang's semantics for each (starting weight version,
+per-request seeds, flush_cache, checkpoint names over HTTP). `http_server` puts SGLang's HTTP
+routes in front of it.
+
+Generation runs in a worker thread so health and abort stay responsive; one lock serialises
+generation and weight updates, so weights never change mid-generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from miles_core.net import init_custom_process_group
+from miles_core.rollout.engine import EmbeddedEngine, split_sampling_params
+from miles_core.weight_layout import checkpoint_layout
+
+logger = logging.getLogger(__name__)
+DTYPES = {"auto": "float32", "float": "float32", "half": "float16"}
+# What EmbeddedEngine honours; other SGLang sampling params (stop strings, min_p, penalties,
+# min_new_tokens) are accepted and ignored, with one warning per key.
+SUPPORTED_SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"}
+# SGLang's weight version before any update names none of the run's versions.
+SGLANG_START_VERSION = "default"
+
+
+class Request:
+    """One /generate call in flight (a batch shares one record: aborting any of its rids
+    aborts the whole call, since the batch is one transformers generate)."""
+
+    def __init__(self, rids: list[str]):
+        self.rids = rids
+        self.aborted = threading.Event()
+        self.stopped_early = False
+
+
+class _AbortCriteria(StoppingCriteria):
+    """Checked by transformers after every decode step: ends the running batch on abort."""
+
+    def __init__(self, service: EngineService):
+        self.service = service
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        req = self.service.current
+        stop = req is not None and req.aborted.is_set()
+        if stop:
+            req.stopped_early = True
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+class EngineService:
+    """Everything behind the routes: the engine, its lock, in-flight requests, the pause gate
+    and the weight-update groups."""
+
+    def __init__(self, model_path: str, tokenizer_path: str | None = None, server_args: dict | None = None,
+                 dtype: str = "float32", num_threads: int | None = None, weight_version: str | None = None,
+                 group_timeout_seconds: float = 600.0, api_key: str | None = None):
+        self.model_path = str(model_path)
+        self.tokenizer_path = str(tokenizer_path or model_path)
+        self.server_args = dict(server_args or {})
+        self.dtype = DTYPES.get(dtype, dtype)
+        self.num_threads = num_threads
+        self.initial_version = weight_version
+        self.group_timeout_seconds = group_timeout_seconds
+        self.api_key = api_key
+        """Required as `Authorization: Bearer <key>` on every route but the health probes."""
+        self.engine: EmbeddedEngine | None = None
+        self.load_error: BaseException | None = None
+        self.loaded = threading.Event()
+        self.lock = threading.Lock()
+        self.current: Request | None = None
+        self.requests: dict[int, Request] = {}
+        self.paused = False
+        self.stale_cache_version: str | None = None
+        """Set when weights changed with flush_cache=false: SGLang's radix cache would then serve
+        KV computed with the old weights, so generation is refused until /flush_cache."""
+        self.groups: dict[str, Any] = {}
+        self.warned_params: set[str] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        try:
+            engine = EmbeddedEngine(self.model_path, dtype=self.dtype, num_threads=self.num_threads)
+            engine.weight_version = str(self.initial_version or SGLANG_START_VERSION)
+            _install_abort_hook(engine, _AbortCriteria(self))
+            self.engine = engine
+        except BaseException as exc:  # surfaced by wait_ready / the health endpoint's log
+            logger.exception("loading %s failed", self.model_path)
+            self.load_error = exc
+        finally:
+            self.loaded.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    # ---- requests, abort and pause --------------------------------------------------------
+
+    def register(self, rids: list[str]) -> Request:
+        req = Request(rids)
+        self.requests[id(req)] = req
+        return req
+
+    def unregister(self, req: Request) -> None:
+        self.requests.pop(id(req), None)
+
+    def abort(self, rid: str | None = None) -> int:
+        hits = [r for r in list(self.requests.values()) if rid is None or rid in r.rids]
+        for req in hits:
+            req.aborted.set()
+        return len(hits)
+
+    async def wait_unpaused(self, req: Request) -> None:
+        # Polling keeps one code path for both wake-ups (continue, or an abort from any thread).
+        while self.paused and not req.aborted.is_set():
+            await asyncio.sleep(0.02)
+
+    def pause(self, mode: str) -> None:
+        """'abort' ends running and queued requests; 'retract' and 'in_place' let the running
+        batch finish (one transformers call cannot be suspended) and hold new ones."""
+        self.paused = True
+        if mode == "abort":
+            self.abort()
+
+    # ---- generation (worker thread) -------------------------------------------------------
+
+    def generate(self, req: Request, prompts: list[list[int]], body: dict) -> list[dict]:
+        if self.stale_cache_version is not None:
+            raise ValueError(f"weights changed to version {self.stale_cache_version} with flush_cache=false and "
+                             "the cache was not flushed since: SGLang would reuse prefix KV of the old weights")
+        params, seeds = self._sampling_params(body.get("sampling_params"), len(prompts))
+        want_logprob = bool(body.get("return_logprob", False))
+        start = body.get("logprob_start_len")
+        with self.lock:
+            if req.aborted.is_set():
+                return [self._empty(p, {"type": "abort", "message": "aborted before it ran"}) for p in prompts]
+            self.current = req
+            try:
+                if int(params["max_new_tokens"]) == 0:
+                    outs = [self._empty(p, {"type": "length", "length": 0}) for p in prompts]
+                else:
+                    outs = self.engine.generate(prompts, params, return_logprob=want_logprob, seeds=seeds,
+                                                return_routed_experts=bool(body.get("return_routed_experts")))
+                if want_logprob and start is not None and int(start) >= 0:
+                    for out, prompt in zip(outs, prompts):
+                        out["meta_info"]["input_token_logprobs"] = self._score(prompt, int(start))
+            finally:
+                self.current = None
+        if req.stopped_early:
+            for out in outs:
+                out["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted by request"}
+        return outs
+
+    def _sampling_params(self, params: dict | list | None, num_prompts: int) -> tuple[dict, list[int] | None]:
+        """One set of params for the batch and the sampling seed of each prompt (see
+        engine.split_sampling_params), with SGLang's default budget."""
+        shared, seeds = split_sampling_params(params or {}, num_prompts)
+        merged = {"max_new_tokens": 128, **shared}  # 128 is SGLang's default
+        for key in sorted(set(merged) - SUPPORTED_SAMPLING - self.warned_params):
+            logger.warning("sampling param %r is ignored by the embedded engine", key)
+            self.warned_params.add(key)
+        return merged, seeds
+
+    def _empty(self, prompt: list[int], finish: dict) -> dict:
+        meta = {"finish_reason": finish, "prompt_tokens": len(prompt), "completion_tokens": 0,
+                "output_token_logprobs": [], "weight_version": self.engine.weight_version}
+        return {"text": "", "output_ids": [], "meta_info": meta}
+
+    @torch.no_grad()
+    def _score(self, prompt: list[int], start: int) -> list[list]:
+        """[logprob, token_id, None] per input token from `start`; position 0 has no context,
+        so its logprob is None (as in SGLang)."""
+        ids = torch.tensor([prompt], device=self.engine.device)
+        logits = self.engine.model(input_ids=ids).logits[0].float()
+        picked = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        entries = [[None, prompt[0], None]] + [[lp, tok, None] for lp, tok in zip(picked, prompt[1:])]
+        return entries[start:]
+
+    # ---- weights (worker thread) ----------------------------------------------------------
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | None,
+                     flush_cache: bool = True, checkpoint_names_only: bool = True) -> dict:
+        """Copy (a subset of) HF-named tensors into the live model. Callers hold self.lock.
+        Over HTTP only checkpoint names are taken (SGLang's loaders skip transformers' fused
+        MoE expert names without an error); in-process tensors may use either layout."""
+        live = self.engine.model.state_dict()  # shares storage with the parameters
+        state = checkpoint_layout(live)  # per-expert MoE names: views into the fused experts
+        if not checkpoint_names_only:
+            state |= live
+        unknown = sorted(set(tensors) - set(state))
+        if unknown:
+            return weight_result(False, f"unknown parameter names: {unknown[:5]}")
+        wrong = [n for n, t in tensors.items() if tuple(t.shape) != tuple(state[n].shape)]
+        if wrong:
+            return weight_result(False, f"shape mismatch for {wrong[:5]}")
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                state[name].copy_(tensor)
+        if weight_version is not None:
+            self.engine.weight_version = str(weight_version)
+        self.stale_cache_version = None if flush_cache else self.engine.weight_version
+        return weight_result(True, f"updated {len(tensors)} tensors; weight version {self.engine.weight_version}")
+
+    def update_from_disk(self, body: dict) -> dict:
+        model_path = body.get("model_path", "")
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            return weight_result(False, f"no *.safetensors files in {model_path}")
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            tensors.update(load_file(str(file)))
+        with self.lock:
+            result = self.load_tensors(tensors, body.get("weight_version"), _flush(body))
+        if result["success"]:
+            self.model_path = str(model_path)
+        return result
+
+    def init_group(self, body: dict) -> dict:
+        name = body["group_name"]
+        if name in self.groups:
+            return weight_result(False, f"group {name!r} already exists")
+        self.groups[name] = init_custom_process_group(
+            backend=body.get("backend", "gloo"),
+            init_method=f"tcp://{body['master_address']}:{body['master_port']}",
+            world_size=int(body["world_size"]), rank=int(body["rank_offset"]), group_name=name,
+            timeout=timedelta(seconds=self.group_timeout_seconds))
+        return weight_result(True, f"joined group {name!r} as rank {body['rank_offset']}")
+
+    def update_from_distributed(self, body: dict) -> dict:
+        group = self.groups.get(body.get("group_name"))
+        if group is None:
+            return weight_result(False, f"no weights update group {body.get('group_name')!r}; call init first")
+        with self.lock:
+            tensors = {}
+            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+                tensors[name] = torch.empty(shape, dtype=_torch_dtype(dtype), device=self.engine.device)
+                torch.distributed.broadcast(tensors[name], src=0, group=group)
+            return self.load_tensors(tensors, body.get("weight_version"), _flush(body))
+
+    def destroy_group(self, body: dict) -> dict:
+        name = body.get("group_name", "")
+        group = self.groups.pop(name, None)
+        if group is None:
+            return weight_result(False, f"no weights update group {name!r}")
+        torch.distributed.destroy_process_group(group)
+        return weight_result(True, f"destroyed group {name!r}")
+
+    def weights_sha256(self) -> str:
+        with self.lock:
+            return self.engine.weights_sha256()
+
+
+def _install_abort_hook(engine: EmbeddedEngine, criteria: StoppingCriteria) -> None:
+    """EmbeddedEngine.generate takes no stopping criteria, so wrap its model's generate (on
+    this instance only) to add one; this is what lets /abort_request end a running batch."""
+    original = engine.model.generate
+
+    def generate(*args: Any, **kwargs: Any):
+        extra = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        extra.append(criteria)
+        return original(*args, stopping_criteria=extra, **kwargs)
+
+    engine.model.generate = generate
+
+
+def _flush(body: dict) -> bool:
+    return bool(body.get("flush_cache", True))  # SGLang's default
+
+
+def weight_result(success: bool, message: str) -> dict:
+    return {"success": success, "message": message}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
