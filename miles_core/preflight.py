@@ -17,7 +17,6 @@ from miles_core.data import row_problem
 from miles_core.rewards import get_reward
 
 REMOTE_TIMEOUT_SECONDS = 15.0
-BUILTIN_MAX_POSITIONS = 256  # max_position_embeddings of the model miles_core.tiny builds
 
 
 class PreflightError(ConfigError):
@@ -35,7 +34,7 @@ def preflight(cfg: RunConfig) -> None:
 def _model_problems(cfg: RunConfig) -> Iterator[str]:
     source = cfg.model.source
     if source.startswith("builtin:"):
-        positions = BUILTIN_MAX_POSITIONS
+        from miles_core.tiny import MAX_POSITIONS as positions
     elif source.startswith("hf://"):
         yield from _hub_problems(source)
         return

@@ -29,8 +29,6 @@ DTYPES = {"auto": "float32", "float": "float32", "half": "float16"}
 # What EmbeddedEngine honours; other SGLang sampling params (stop strings, min_p, penalties,
 # min_new_tokens) are accepted and ignored, with one warning per key.
 SUPPORTED_SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"}
-# SGLang's weight version before any update names none of the run's versions.
-SGLANG_START_VERSION = "default"
 
 
 class Request:
@@ -91,7 +89,8 @@ class EngineService:
     def load(self) -> None:
         try:
             engine = EmbeddedEngine(self.model_path, dtype=self.dtype, num_threads=self.num_threads)
-            engine.weight_version = str(self.initial_version or SGLANG_START_VERSION)
+            if self.initial_version is not None:  # else SGLang's start, "default" (EmbeddedEngine's too)
+                engine.weight_version = str(self.initial_version)
             _install_abort_hook(engine, _AbortCriteria(self))
             self.engine = engine
         except BaseException as exc:  # surfaced by wait_ready / the health endpoint's log
