@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -34,8 +36,14 @@ STAGES = ["prepare-model", "prepare-data", "ensure-ray", "sft-warmup", "convert-
           "evaluate (before)", "train", "upload-artifacts", "evaluate (after)", "register-model", "promote (eval gate)"]
 
 
-def local_environment(work_dir: str) -> None:
-    """Defaults for the embedded stack; anything already set in the environment wins."""
+def local_environment(work_dir: str, ray_address: str | None = None) -> None:
+    """Defaults for the embedded stack; anything already set in the environment wins.
+
+    A local Ray cluster takes token auth with a token drawn for this process (inherited by the
+    raylet and workers, never written or logged): Ray's servers listen on every interface and
+    have no loopback-only option, so the token is what keeps other hosts out. Ray reads the
+    mode once, at import, so this must run before anything imports Ray.
+    """
     root = Path(work_dir).resolve()
     (root / "prefect").mkdir(parents=True, exist_ok=True)
     defaults = {
@@ -45,7 +53,7 @@ def local_environment(work_dir: str) -> None:
         "PREFECT_LOGGING_LEVEL": "INFO",
         "PREFECT_LOGGING_EXTRA_LOGGERS": "miles_core",  # the driver's checkpoint/upload lines
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false",
-        "RAY_AUTH_MODE": "disabled",
+        "RAY_AUTH_MODE": "disabled" if ray_address or os.environ.get("RAY_ADDRESS") else "token",
         "RAY_USAGE_STATS_ENABLED": "0",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "TRANSFORMERS_VERBOSITY": "error",
@@ -54,6 +62,8 @@ def local_environment(work_dir: str) -> None:
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    if os.environ["RAY_AUTH_MODE"] == "token":
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     if "prefect" in sys.modules:  # Prefect reads its settings once, at import
         from prefect.settings import get_current_settings
 
@@ -140,8 +150,9 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
         run_dir: Path | None = typer.Option(None, "--run-dir", help="local run directory (default <work_dir>/runs/<run_key>)"),
         resume: str | None = typer.Option(None, "--resume", help="run key to resume from its latest checkpoint")) -> None:
     """Run the rl-posttrain flow in this process (ephemeral Prefect, local Ray unless configured)."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     cfg = _load(config, set_)
-    local_environment(cfg.storage.work_dir)
+    local_environment(cfg.storage.work_dir, cfg.placement.ray_address)
     from flows.rl_posttrain import rl_posttrain  # imports Prefect/Ray only when running
 
     try:
@@ -151,6 +162,15 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
         console.print(f"[red]run failed: {type(exc).__name__}: {exc}[/red]", soft_wrap=True)
         raise typer.Exit(1) from None
     print_summary(summary)
+
+
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    """Stop as Ctrl-C does, with exit handlers: they stop the temporary Prefect server and the
+    local Ray this process started, which the default action would leave running as orphans.
+    Inside a flow Prefect's handler runs first (the run is marked crashed, its hooks run), then
+    hands the signal on to this one."""
+    console.print(f"[red]run stopped by {signal.Signals(signum).name}[/red]", soft_wrap=True)
+    raise SystemExit(128 + signum)
 
 
 def print_summary(summary: dict) -> None:

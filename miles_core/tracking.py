@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -38,6 +39,12 @@ def tracking_uri(cfg: RunConfig) -> str:
 
 def client_for(uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _has_store(uri: str) -> bool:
+    """False for a local SQLite store not created yet: looking into it would create it, and a
+    lookup (a resume check, a failure hook) must not write a database."""
+    return not uri.startswith("sqlite:///") or Path(uri[len("sqlite:///"):]).is_file()
 
 
 def redact(value: Any, name: str = "") -> Any:
@@ -100,6 +107,8 @@ def start_or_attach_run(cfg: RunConfig, run_key: str, tags: dict[str, str]) -> t
 
 def recent_run_keys(cfg: RunConfig, limit: int = 5) -> list[str]:
     """The run keys of the experiment's latest runs, newest first (for error messages)."""
+    if not _has_store(tracking_uri(cfg)):
+        return []
     client = client_for(tracking_uri(cfg))
     experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
     if experiment is None:
@@ -111,6 +120,8 @@ def recent_run_keys(cfg: RunConfig, limit: int = 5) -> list[str]:
 def find_run(cfg: RunConfig, run_key: str) -> tuple[str, str] | None:
     """(tracking uri, MLflow run id) of a run key, if its run was created."""
     uri = tracking_uri(cfg)
+    if not _has_store(uri):
+        return None
     client = client_for(uri)
     experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
     run_id = _run_of(client, experiment.experiment_id, run_key) if experiment else None

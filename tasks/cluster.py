@@ -26,5 +26,6 @@ def ensure_ray(address: str | None, num_cpus: int | None, work_dir: str) -> dict
             ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, configure_logging=False)
     resources = {k: float(v) for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "memory")}
     mode = "existing" if address else "local"
-    get_run_logger().info("ray (%s) ready: %s", mode, resources)
+    auth = os.environ["RAY_AUTH_MODE"]
+    get_run_logger().info("ray (%s, auth %s) ready: %s", mode, auth, resources)
     return {"mode": mode, "address": address or "local", "resources": resources}

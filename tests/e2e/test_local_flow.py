@@ -20,7 +20,9 @@ STEPS = 200  # configs/local.yaml
 def finished_run(isolated, shared_work_dir):
     run_dir, sets = isolated.dir / "run", isolated.sets
     # Runs get their Prefect home under the work dir (other tests may set PREFECT_* here).
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
+    # Runs get Ray's auth as a user's shell does: none set, so `miles run` draws a token.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_AUTH"))},
+           "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir),
            *[x for o in sets for x in ("--set", o)]]
@@ -113,6 +115,7 @@ def test_mlflow_has_params_metrics_and_model_version(finished_run, tmp_path):
 def test_progress_is_visible(finished_run):
     *_, output = finished_run
     assert "stage train done" in output and "held-out pass@1" in output
+    assert "ray (local, auth token) ready" in output  # Ray listens on every interface: the token keeps others out
     # a log file has no progress bar: a line every tracking.log_interval_steps steps (10) and at the end
     progress = [line for line in output.splitlines() if f"/{STEPS}  reward " in line and " step " in line]
     assert len(progress) == STEPS // 10 and f"step {STEPS}/{STEPS}  reward" in progress[-1], progress[-3:]

@@ -1,0 +1,90 @@
+"""Remote sources that stop answering: the preflight names them, and a run told to stop stops.
+
+The fake Hub answers model lookups a set number of times, then accepts requests and never
+replies, as a wedged endpoint or proxy does.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from miles_core import preflight as preflight_module
+from miles_core.config import load_config
+from tests.conftest import REPO
+
+
+@pytest.fixture
+def wedged_hub(monkeypatch):
+    """Returns a setter for how many model lookups are answered before the Hub goes silent."""
+    answers, release = {"left": 0}, threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's hook name
+            if not self.path.startswith("/api/models/"):
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            elif answers["left"] > 0:
+                answers["left"] -= 1
+                body = json.dumps({"id": "org/tiny", "sha": "a" * 40, "siblings": []}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:
+                release.wait()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    yield lambda n: answers.update(left=n)
+    release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def test_preflight_names_a_hub_that_does_not_answer(wedged_hub, monkeypatch, tmp_path):
+    monkeypatch.setattr(preflight_module, "REMOTE_TIMEOUT_SECONDS", 1.0)
+    cfg = load_config(REPO / "configs/local.yaml", ["model.source=hf://org/tiny", f"storage.work_dir={tmp_path}"])
+    with pytest.raises(preflight_module.PreflightError, match=r"model.source: hf://org/tiny is not reachable"):
+        preflight_module.preflight(cfg)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_stops_a_run_whose_download_hangs(wedged_hub, tmp_path):
+    wedged_hub(2)  # the CLI's and the flow's preflight get answers; the download hangs
+    work = tmp_path / "work"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "configs/local.yaml"),
+           "--set", "model.source=hf://org/tiny", "--set", f"storage.work_dir={work}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # until the flow is inside the download
+        lines.append(line)
+        if "stage prepare_model" in line:
+            break
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    rest, _ = proc.communicate(timeout=60)  # returns once no child holds the output pipe either
+    output = "".join(lines) + rest
+    assert time.monotonic() - signalled < 30, output[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM and "aborted by a termination signal" in output, output[-3000:]
+    assert "marked FAILED" in output  # the MLflow run does not stay RUNNING
+    assert "Stopping temporary server" in output  # not orphaned: it would keep serving after the run
