@@ -26,7 +26,7 @@ def wedged_hub(monkeypatch):
     answers, release = {"left": 0}, threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's hook name
+        def do_GET(self):
             if not self.path.startswith("/api/models/"):
                 self.send_response(404)
                 self.send_header("Content-Length", "0")
