@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from miles_core import artifacts, reports, tracking
-from miles_core.config import RunConfig, load_config
+from miles_core.config import Override, RunConfig, load_config
 from tasks.artifacts import prepare_data
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate
@@ -30,7 +30,7 @@ def fetch_model(model_uri: str, cfg: RunConfig, dest: str) -> str:
 
 @flow(name="rl-eval", log_prints=True)
 def rl_eval(checkpoint_uri: str, config_path: str = "configs/local.yaml",
-            overrides: list[str] | None = None) -> dict:
+            overrides: list[Override] | None = None) -> dict:
     """Evaluate checkpoint_uri with the recipe's eval settings; returns {dataset: result}."""
     cfg = load_config(config_path, overrides or [])
     run_key = f"eval-{flow_run.id or int(time.time())}"

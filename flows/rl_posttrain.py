@@ -14,7 +14,7 @@ from prefect.runtime import deployment, flow_run
 from miles_core import checkpoint as ckpt
 from miles_core import ray_jobs, reports, tracking
 from miles_core.artifacts import ModelArtifact
-from miles_core.config import RunConfig, load_config
+from miles_core.config import Override, RunConfig, load_config
 from miles_core.driver import TrainSpec
 from miles_core.preflight import preflight
 from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, prepare_teacher, sft_warmup
@@ -95,7 +95,7 @@ def _mark_mlflow_failed(flow, flow_run, state) -> None:
 
 @flow(name="rl-posttrain", log_prints=True, on_cancellation=[_stop_driver_jobs],
       on_failure=[_mark_mlflow_failed], on_crashed=[_mark_mlflow_failed])
-def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[str] | None = None,
+def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Override] | None = None,
                  resume_from: str | None = None, run_dir: str | None = None) -> dict:
     """RL post-training of one recipe, durable stage by stage; returns the run summary."""
     cfg = load_config(config_path, overrides or [])

@@ -17,7 +17,7 @@ from miles_core.config.algorithm import (
                                          CorrectionConfig,
 )
 from miles_core.config.base import ConfigError, Section
-from miles_core.config.loading import build_config, field_docs, load_config, parse_overrides
+from miles_core.config.loading import Override, build_config, field_docs, load_config, parse_overrides
 from miles_core.config.schema import (
                                          ArithmeticTaskConfig,
                                          CheckpointConfig,
@@ -38,6 +38,6 @@ from miles_core.config.schema import (
 
 __all__ = ["ALGORITHMS", "GROUP_ALGORITHMS", "KL_IN_REWARD_ALGORITHMS", "AlgorithmConfig", "ArithmeticTaskConfig",
            "CheckpointConfig", "ConfigError", "CorrectionConfig", "DataConfig", "EvalConfig", "EvalDatasetConfig",
-           "MegatronConfig", "ModelConfig", "PlacementConfig", "RolloutConfig", "RunConfig", "Section",
+           "MegatronConfig", "ModelConfig", "Override", "PlacementConfig", "RolloutConfig", "RunConfig", "Section",
            "StorageConfig", "TinyModelConfig", "TrackingConfig", "TrainingConfig", "WarmupConfig", "build_config",
            "field_docs", "load_config", "parse_overrides"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from miles_core.config.base import ConfigError
 from miles_core.config.schema import RunConfig
@@ -90,6 +90,20 @@ def build_config(tree: dict[str, Any], overrides: list[str] = (), source: str = 
         return RunConfig.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, source)) from None
+
+
+# What a flow parameter must never hold, as JSON Schema (the `overrides` items of a deployment's
+# parameter schema): Prefect's server validates a run's parameters against it before it stores
+# them, so a secret passed by `prefect deployment run --param` is refused instead of kept in its
+# database. Secrets come from the environment; no config field holds one.
+SECRET_OVERRIDE_PATTERNS = (
+    r"://[^/@\s]+@",  # user:password@ in a URL
+    r"^[^=]*(^|[._-])(token|secrets?|passw[a-z]*|auth[a-z]*|credentials?|private|api[_-]?key|access[_-]?key)"
+    r"([._-][^=]*)?=",  # a secret-looking key
+)
+Override = Annotated[str, Field(pattern=r"^[^=]+=", json_schema_extra={
+    "not": {"anyOf": [{"pattern": p} for p in SECRET_OVERRIDE_PATTERNS]}})]
+"""A `dotted.key=value` override as a flow parameter."""
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

@@ -109,6 +109,15 @@ def test_smoke_deployment_completes_on_the_local_stack(deployed):
     assert any(name.startswith("model-") for name in records) and any(name.startswith("data-") for name in records)
 
 
+def test_a_secret_parameter_is_refused_before_prefect_stores_it(deployed):
+    for override in ("tracking.tracking_uri=http://user:hunter2@mlflow:5000", "model.hf_token=hf_hunter2"):
+        out = cli(deployed["env"], deployed["project"], "deployment", "run", "rl-posttrain/smoke",
+                  "--params", json.dumps({"overrides": [override]}), check=False)
+        assert "Error creating flow run" in out, out[-2000:]
+    stored = requests.post(f"{deployed['api']}/flow_runs/filter", json={}, timeout=10).json()
+    assert stored and not [run["parameters"] for run in stored if "hunter2" in json.dumps(run["parameters"])]
+
+
 def s3_listing(d: dict, prefix: str) -> list[str]:
     """Names under s3://prefix in the stack's object store (its endpoint and keys from its env)."""
     import fsspec
