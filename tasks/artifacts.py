@@ -30,15 +30,25 @@ def _located(cfg: RunConfig, identity: str) -> str:
     return f"{identity}-at-{artifacts.digest(str(cfg.storage.work_path))[:12]}"
 
 
-def _result_storage(cfg: RunConfig) -> LocalFileSystem | RemoteFileSystem:
-    """A block for <store>/prefect-results, saved (Prefect wants result storage server-side);
-    it names a location only: S3 credentials stay in the environment."""
+def result_block(cfg: RunConfig) -> LocalFileSystem | RemoteFileSystem:
+    """The filesystem block for <store>/prefect-results; it names a location only: S3
+    credentials stay in the environment."""
     base = storage.join_uri(cfg.storage.store_uri(), RESULTS_PREFIX)
     if base.startswith("file://") or "://" not in base:  # Prefect's remote one refuses file:///
-        block = LocalFileSystem(basepath=base.removeprefix("file://"))
-    else:
-        block = RemoteFileSystem(basepath=base)
-    block.save(f"miles-results-{artifacts.digest(base)[:16]}", overwrite=True)
+        return LocalFileSystem(basepath=base.removeprefix("file://"))
+    if not base.startswith("s3"):
+        return RemoteFileSystem(basepath=base)
+    # s3fs hands config_kwargs to botocore: a hung store fails the request instead of the run
+    timeouts = storage.s3_request_config(cfg.checkpoint.upload_timeout_seconds)
+    block = RemoteFileSystem(basepath=base, settings={"config_kwargs": timeouts, "skip_instance_cache": True})
+    block.filesystem.retries = 1  # s3fs's retry loop on top of botocore's: off, as storage.filesystem does
+    return block
+
+
+def _result_storage(cfg: RunConfig) -> LocalFileSystem | RemoteFileSystem:
+    """result_block, saved (Prefect wants result storage server-side)."""
+    block = result_block(cfg)
+    block.save(f"miles-results-{artifacts.digest(block.basepath)[:16]}", overwrite=True)
     return block
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from miles_core.config import ModelConfig
+from miles_core.config import ModelConfig, build_config
 from miles_core.models import materialize_model
 
 
@@ -48,3 +48,14 @@ def test_a_silent_s3_model_source_times_out(black_hole, tmp_path):
         materialize_model(model, tmp_path)
     assert time.monotonic() - started < 30
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.timeout(90)
+def test_prefect_results_on_a_silent_store_time_out(black_hole):
+    from tasks.artifacts import result_block
+
+    cfg = build_config({"storage": {"object_store_uri": "s3://miles"}, "checkpoint": {"upload_timeout_seconds": 1.0}})
+    started = time.monotonic()
+    with pytest.raises(Exception, match="(?i)timeout|timed out"):
+        result_block(cfg).write_path("probe.json", b"{}")
+    assert time.monotonic() - started < 30
