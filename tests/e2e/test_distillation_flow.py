@@ -20,7 +20,7 @@ def test_opd_through_the_flow_moves_the_student_toward_the_teacher(isolated):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)
     # The random student gets little signal from the peaked teacher's view of its samples: a
-    # large step size moves it within 30 steps (the integration test measured -15%).
+    # large step size moves it within 30 steps (measured: reverse KL 10.42 -> 8.85, -15%).
     overrides = ["algorithm.name=opd", "algorithm.teacher_source=warmup", "training.num_steps=30",
                  "training.lr=3e-2", "checkpoint.interval_steps=10", *sets]
     cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir)]

@@ -52,12 +52,12 @@ def accuracy(model_dir, prompts) -> float:
     return evaluate_greedy(EmbeddedEngine(str(model_dir), num_threads=2), prompts, "exact_match", 6, 256)["pass@1"]
 
 
-def run(warm, name, overrides, model_dir, steps=RL_STEPS, teacher_dir=None, run_name=None):
+def run(warm, name, overrides, model_dir, steps=RL_STEPS, run_name=None):
     cfg = build_config(yaml.safe_load(open(REPO / "configs/local.yaml")),
                        [f"algorithm.name={name}", f"training.num_steps={steps}", "checkpoint.interval_steps=1000",
                         HALF_ROLLOUT, *overrides])
     spec = TrainSpec(config=cfg, model_dir=str(model_dir), train_path=str(warm["train"]),
-                     run_dir=str(warm["root"] / f"run-{run_name or name}"), teacher_dir=teacher_dir and str(teacher_dir))
+                     run_dir=str(warm["root"] / f"run-{run_name or name}"))
     return run_training(spec)
 
 
@@ -73,14 +73,3 @@ def test_objective_raises_heldout_accuracy(warm, name):
     assert statistics.fmean(rewards[-10:]) > statistics.fmean(rewards[:10]), (name, rewards)
     if "@" not in name:  # on-policy: trainer and engine score the same weights
         assert max(h["rollout/train_logprob_abs_diff"] for h in result.history) <= 1e-4
-
-
-def test_on_policy_distillation_moves_student_toward_teacher(warm):
-    # The random student's samples get little signal from the peaked warm-up teacher, so this
-    # asks for a 10% drop of the reverse KL in 30 steps (measured: 10.42 -> 8.85, -15%).
-    full_rollout = "rollout.num_prompts_per_step=64"  # what the measurement above used
-    result = run(warm, "opd", ["algorithm.teacher_source=warmup", "training.lr=3e-2", full_rollout], warm["base"],
-                 steps=30, teacher_dir=warm["warm"])
-    reverse_kl = [h["opd/reverse_kl"] for h in result.history]
-    print(f"opd: reverse KL(student || teacher) {reverse_kl[:3]} -> {reverse_kl[-3:]}")
-    assert statistics.fmean(reverse_kl[-5:]) < 0.9 * statistics.fmean(reverse_kl[:5])
