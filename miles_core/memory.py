@@ -1,15 +1,15 @@
 """Per-GPU memory estimate of the trainer, printed by `miles plan` before anything is started.
 
 What it counts (both trainers keep fp32 parameters, fp32 gradients and fp32 AdamW moments,
-and run matmuls under bf16 autocast on GPU; plain AdamW: optimizer states are not sharded
-over data-parallel ranks):
+and run matmuls under bf16 autocast on GPU; FSDP2 shards optimizer states with the parameters,
+Megatron keeps them whole on every data-parallel rank):
 
 * weights 4 B, gradients 4 B, optimizer 8 B (Adam m and v) per parameter this GPU holds;
   a critic counts as a second trainable model, a reference / teacher as frozen fp32 weights
   (the teacher is assumed to have the policy's shape);
 * parameters this GPU holds: attention, dense MLP and the (padded) vocabulary / tp; experts
   / (ep * tp) (megatron's expert tensor parallel size defaults to tp); norms and the router
-  replicated;
+  replicated; FSDP2: everything / training.data_parallel_size;
 * activations of one micro-batch of b sequences of s = data.max_prompt_tokens +
   rollout.max_new_tokens tokens, at 2 B per element on GPU (bf16) and 4 B on CPU. Per token
   and layer the backward keeps: 4h (the two norm inputs and the two matmul inputs), the q, k,
@@ -18,7 +18,8 @@ over data-parallel ranks):
   only each layer's input h is kept, plus one layer's full set while it is recomputed. The
   logits of the micro-batch (V_pad / tp per token) are kept once and their gradient once.
 
-Not counted: CUDA context and allocator fragmentation (a few GiB), the eager path's fp32
+Not counted: CUDA context and allocator fragmentation (a few GiB), FSDP2's gathered copy of
+the layer being computed, the eager path's fp32
 logits chunk (256 MB), communication buffers, and the rollout engines (SGLang sizes its own
 KV cache from mem_fraction_static).
 """
@@ -87,6 +88,8 @@ class Layout:
     recompute: bool = False
     vocab_multiple: int = 1
     """The vocabulary is padded to a multiple of vocab_multiple * tp (megatron: 128; HF: 1)."""
+    fsdp: int = 1
+    """FSDP2 ranks the parameters, gradients and optimizer states are sharded over."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ def parameter_counts(d: ModelDims, layout: Layout) -> tuple[int, int]:
              + vocab_matrices * d.vocab_size * d.hidden_size + d.hidden_size)
     per_gpu = (d.num_layers * ((attn + dense_mlp) // tp + norms + router + experts // (ep * tp))
                + vocab_matrices * padded_vocab(d.vocab_size, layout) * d.hidden_size // tp + d.hidden_size)
-    return total, per_gpu
+    return total, -(-per_gpu // layout.fsdp)
 
 
 def layer_activation_elements(d: ModelDims, tp: int) -> int:
@@ -192,7 +195,7 @@ def trainer_layout(cfg: RunConfig) -> Layout:
     if t.backend == "megatron":
         return Layout(tp=t.megatron.tensor_parallel_size, ep=t.megatron.expert_parallel_size,
                       recompute=t.megatron.recompute_activations, vocab_multiple=MEGATRON_VOCAB_MULTIPLE)
-    return Layout()  # FSDP2 runs as one rank: nothing is sharded
+    return Layout(fsdp=t.data_parallel_size)
 
 
 def estimate_for_config(cfg: RunConfig) -> MemoryEstimate | None:

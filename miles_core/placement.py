@@ -1,7 +1,7 @@
 """Ray placement: one placement group, bundles 0..W-1 = trainer ranks, then engines (rank order).
 
-W is the trainer's world size (training.world_size): 1 for FSDP2 and a tp = ep = 1 Megatron
-trainer, tp * pp * ep for a Megatron trainer group (one actor per rank, see trainer_group.py).
+W is the trainer's world size (training.world_size): training.data_parallel_size for FSDP2,
+tp * pp * ep for Megatron; above 1, a trainer group of one actor per rank (trainer_group.py).
 
 Deterministic mapping means a restarted engine lands in its own bundle again, and `miles
 plan` can print exactly what the cluster will be asked for.
@@ -39,7 +39,9 @@ def describe(cfg: RunConfig) -> list[tuple[str, str]]:
                     f"cp={m.context_parallel_size} ep={m.expert_parallel_size} dp={m.expert_parallel_size} ({actors}), "
                     f"recompute {'on' if m.recompute_activations else 'off'}")
     else:
-        parallel = "fsdp2, one rank (one trainer actor, nothing sharded)"
+        dp = t.data_parallel_size
+        parallel = (f"fsdp2 dp={dp}, parameters sharded over {dp} trainer actors" if dp > 1
+                    else "fsdp2 dp=1 (one trainer actor, nothing sharded)")
     rows, ranks = [("trainer parallelism", parallel)], t.world_size
     for index, bundle in enumerate(bundles(cfg)):
         role = f"trainer rank {index}" if index < ranks else f"engine rank {index - ranks}"

@@ -1,6 +1,7 @@
-"""A Megatron trainer of several ranks (tp * pp * ep Ray actors) behind one actor-like handle.
+"""A trainer of several ranks (Ray actors) behind one actor-like handle: Megatron's tp * pp * ep
+ranks, or FSDP2's data-parallel ranks.
 
-The MegatronTrainer is SPMD: every rank is built with the same arguments and every method is
+Both trainers are SPMD: every rank is built with the same arguments and every method is
 called on every rank, in the same order, and rank 0's result is the answer (the others return
 the same, or nothing where only rank 0 assembles it: full weights). `TrainerGroup` keeps
 the single-actor calling convention of the loop, the weight transports, periodic eval and the

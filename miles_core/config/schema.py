@@ -180,14 +180,25 @@ class TrainingConfig(Section):
     """Ray CPUs reserved by the trainer, in all: a Megatron trainer group (tp * ep ranks) splits
     them evenly over its rank actors."""
     gpus_per_trainer: float = Field(0.0, ge=0)
-    """Ray GPUs reserved by the trainer, in all: 0 on CPU, else one per Megatron rank (tp * ep)."""
+    """Ray GPUs reserved by the trainer, in all: 0 on CPU, else one per rank (world_size)."""
+    data_parallel_size: int = Field(1, ge=1)
+    """FSDP2 ranks (Ray actors, one GPU each; gloo processes on CPU): the parameters are sharded
+    over them and each takes a deterministic share of every batch's micro-batches. The
+    megatron backend takes its data parallelism from training.megatron (dp = ep) and needs 1."""
 
     @property
     def world_size(self) -> int:
-        """Trainer ranks (Ray actors): tp * pp * ep for Megatron, 1 for FSDP2. With ep > 1 the
-        dense weights are replicated over the ep ranks (dp = ep), which split each batch's
-        micro-batches; each rank holds 1/ep of the experts."""
-        return self.megatron.model_parallel_size if self.backend == "megatron" else 1
+        """Trainer ranks (Ray actors): data_parallel_size for FSDP2, tp * pp * ep for Megatron.
+        With ep > 1 the dense weights are replicated over the ep ranks (dp = ep), which split
+        each batch's micro-batches; each rank holds 1/ep of the experts."""
+        return self.megatron.model_parallel_size if self.backend == "megatron" else self.data_parallel_size
+
+    @model_validator(mode="after")
+    def _data_parallel_fits(self) -> TrainingConfig:
+        if self.backend == "megatron" and self.data_parallel_size > 1:
+            raise ValueError("training.data_parallel_size applies to the fsdp2 backend; Megatron's data parallelism "
+                             "is dp = training.megatron.expert_parallel_size for now: set data_parallel_size=1")
+        return self
 
     @model_validator(mode="after")
     def _one_gpu_per_rank(self) -> TrainingConfig:
@@ -195,9 +206,11 @@ class TrainingConfig(Section):
         if ranks > 1 and self.gpus_per_trainer not in (0, ranks):
             # Each rank is its own process on its own device; NCCL cannot put two ranks on one GPU,
             # and a rank uses only one.
-            raise ValueError(f"training.megatron tensor x pipeline x expert parallel = {ranks} runs {ranks} trainer "
-                             f"ranks with one GPU each, but training.gpus_per_trainer={self.gpus_per_trainer:g}: "
-                             f"set training.gpus_per_trainer={ranks} (or 0 on CPU)")
+            layout = ("training.megatron tensor x pipeline x expert parallel" if self.backend == "megatron"
+                      else "training.data_parallel_size")
+            raise ValueError(f"{layout} = {ranks} runs {ranks} trainer ranks with one GPU each, but "
+                             f"training.gpus_per_trainer={self.gpus_per_trainer:g}: set training.gpus_per_trainer={ranks} "
+                             "(or 0 on CPU)")
         return self
 
 

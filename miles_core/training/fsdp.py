@@ -21,23 +21,35 @@ from miles_core.data import Sample
 from miles_core.net import free_port, init_custom_process_group, rendezvous_endpoint
 from miles_core.training import state_io
 from miles_core.training.batches import pad_batch, select_rows
+from miles_core.training.data_parallel import rank_micro_batches, sum_metrics_over_ranks, sum_over_ranks
 from miles_core.training.logprobs import next_token_logprobs
 from miles_core.weight_layout import checkpoint_layout, weights_sha256
 
 
 def ensure_process_group() -> bool:
-    """Join the launcher's group (torchrun / Ray sets WORLD_SIZE) or make a private
-    world-size-1 gloo group. Returns True when this call created the group."""
+    """Join the launcher's group (torchrun / the trainer group sets WORLD_SIZE) or make a private
+    world-size-1 group; NCCL for CUDA tensors, gloo for CPU ones. Returns True when this call
+    created the group."""
     if dist.is_initialized():
         return False
+    backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     else:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return True
 
 
+def trainer_device() -> torch.device:
+    """The GPU Ray gave this actor (it sees only its own, as device 0), else the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _shard(model: torch.nn.Module) -> torch.nn.Module:
+    """fully_shard each decoder layer and the root over all data-parallel ranks."""
     if _compile_requested():
         compile_decoder_layers(model)
     for layer in model.model.layers:
@@ -95,10 +107,12 @@ class FSDPTrainer:
         torch.set_num_threads(training.num_threads)
         torch.manual_seed(seed)
         self.owns_process_group = ensure_process_group()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = trainer_device()
         self.training, self.algorithm, self.group_size = training, algorithm, group_size
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = _shard(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)).train()
+        self.model = _shard(self._load(AutoModelForCausalLM, model_dir)).train()
         self.tied = bool(self.model.config.tie_word_embeddings)
         self.optimizer, self.scheduler = self._optimizer(self.model, training.lr)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
@@ -107,8 +121,7 @@ class FSDPTrainer:
             # which would make old values (and the value clip around them) random
             config = AutoConfig.from_pretrained(model_dir, num_labels=1)
             config.classifier_dropout = 0.0
-            self.critic = _shard(AutoModelForTokenClassification.from_pretrained(
-                model_dir, config=config, dtype=torch.float32)).train()
+            self.critic = _shard(self._load(AutoModelForTokenClassification, model_dir, config=config)).train()
             self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic, algorithm.critic_lr)
         self.reference = self._frozen(model_dir) if objectives.needs_reference(algorithm) else None
         self.teacher = self._frozen(teacher_dir) if algorithm.effective_opd_coef > 0 else None
@@ -121,12 +134,22 @@ class FSDPTrainer:
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         return optimizer, schedule
 
-    @staticmethod
-    def _frozen(model_dir: str | None) -> torch.nn.Module:
+    def _load(self, model_class, model_dir: str, **kwargs) -> torch.nn.Module:
+        return model_class.from_pretrained(model_dir, dtype=torch.float32, **kwargs).to(self.device)
+
+    def _frozen(self, model_dir: str | None) -> torch.nn.Module:
         if model_dir is None:
             raise ValueError("a teacher model directory is required for distillation")
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        return model.requires_grad_(False)
+        return self._load(AutoModelForCausalLM, model_dir).eval().requires_grad_(False)
+
+    def _batch(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in pad_batch(samples, self.tokenizer.pad_token_id).items()}
+
+    def _my_micro_batches(self, batch: dict[str, torch.Tensor]):
+        """This rank's (rows, micro-batch) pairs; with several ranks all run as many, of one
+        shape, since every FSDP2 forward gathers parameters from all of them."""
+        return rank_micro_batches(batch, self.training.micro_batch_size, self.rank, self.world,
+                                  equal_shapes=self.world > 1)
 
     def close(self) -> None:
         if self.owns_process_group and dist.is_initialized():
@@ -140,13 +163,10 @@ class FSDPTrainer:
         # The value at position t scores the state that predicts token t+1 (next-token layout).
         return self.critic(input_ids=batch["tokens"], attention_mask=batch["attention"]).logits[:, :-1, 0].float()
 
-    def _row_slices(self, num_rows: int) -> list[slice]:
-        size = self.training.micro_batch_size
-        return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
-
     @torch.no_grad()
     def _score(self, batch: dict[str, torch.Tensor], with_old: bool = True) -> None:
-        """Old-policy, reference, teacher log-probs and old values, micro-batch by micro-batch."""
+        """Old-policy, reference, teacher log-probs and old values of every row: each rank
+        scores its micro-batches, the sum over ranks fills in the rest."""
         scorers = {"old_logp": lambda mb: self._token_logprobs(self.model, mb)[0]} if with_old else {}
         if self.reference is not None:
             scorers["ref_logp"] = lambda mb: self._token_logprobs(self.reference, mb)[0]
@@ -154,14 +174,16 @@ class FSDPTrainer:
             scorers["teacher_logp"] = lambda mb: self._token_logprobs(self.teacher, mb)[0]
         if self.critic is not None:
             scorers["old_values"] = self._values
-        slices = self._row_slices(len(batch["tokens"]))
         for key, scorer in scorers.items():
-            batch[key] = torch.cat([scorer(select_rows(batch, rows)) for rows in slices])
+            out = torch.zeros_like(batch["mask"])
+            for rows, mb in self._my_micro_batches(batch):
+                out[rows] = scorer(mb)[: rows.stop - rows.start].to(out.dtype)
+            batch[key] = sum_over_ranks(out)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Trainer log-probs of each sample's response tokens (for mismatch checks)."""
-        batch = pad_batch(samples, self.tokenizer.pad_token_id)
+        batch = self._batch(samples)
         self._score(batch)
         return [batch["old_logp"][row][batch["mask"][row] > 0].tolist() for row in range(len(samples))]
 
@@ -169,8 +191,9 @@ class FSDPTrainer:
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """Score, compute advantages over the whole batch, then policy/critic update(s)."""
         cfg, num_updates = self.algorithm, self.training.num_updates_per_step
-        batch = pad_batch(samples, self.tokenizer.pad_token_id)
-        lazy_old = objectives.old_logp_from_update_forward(cfg, num_updates)
+        batch = self._batch(samples)
+        # one rank's update forward sees only its rows: with several, score the old policy first
+        lazy_old = objectives.old_logp_from_update_forward(cfg, num_updates) and self.world == 1
         self._score(batch, with_old=not lazy_old)
         if not lazy_old:
             objectives.anchor_old_logprobs(cfg, batch)
@@ -209,17 +232,18 @@ class FSDPTrainer:
         if self.critic is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for rows in self._row_slices(len(batch["tokens"])):
-            mb = select_rows(batch, rows)
-            loss, parts = self._loss(mb, totals) if train_policy else (torch.zeros(()), {})
+        for rows, mb in self._my_micro_batches(batch):
+            loss, parts = self._loss(mb, totals) if train_policy else (torch.zeros((), device=self.device), {})
             if self.critic is not None:
+                share = (rows.stop - rows.start) / totals["num_seqs"]
                 value_loss = algo.value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["mask"],
-                                             self.algorithm.value_clip) * (len(mb["tokens"]) / totals["num_seqs"])
+                                             self.algorithm.value_clip) * share
                 loss = loss + value_loss
                 parts["train/value_loss"] = float(value_loss.detach())
-            loss.backward()
+            self._backward(loss)
             for key, value in parts.items():
                 sums[key] = sums.get(key, 0.0) + value
+        sums = sum_metrics_over_ranks(sums)
         if train_policy:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.training.grad_clip)
             sums["train/grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
@@ -232,6 +256,11 @@ class FSDPTrainer:
         sums.setdefault("train/loss", sums.get("train/value_loss", 0.0))
         return sums
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Each rank's loss is normalised by the global batch's counts, so the true gradient is
+        the sum over ranks; FSDP2 averages (gloo has no pre-scaled sum), hence the factor."""
+        (loss * self.world if self.world > 1 else loss).backward()
+
     def _loss(self, mb: dict[str, torch.Tensor], totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
         cfg = self.algorithm
         logp, entropy = self._token_logprobs(self.model, mb, with_entropy=cfg.entropy_coef > 0)
@@ -242,16 +271,16 @@ class FSDPTrainer:
 
     def sft_step(self, samples: list[Sample]) -> float:
         """One supervised step: agg(-log p) over the trainable response tokens."""
-        batch = pad_batch(samples, self.tokenizer.pad_token_id)
+        batch = self._batch(samples)
         num_tokens = float(batch["mask"].sum())
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for rows in self._row_slices(len(samples)):
-            mb = select_rows(batch, rows)
+        for _, mb in self._my_micro_batches(batch):
             logp, _ = self._token_logprobs(self.model, mb)
             loss = algo.sft_loss(logp, mb["mask"], num_tokens=num_tokens)
-            loss.backward()
+            self._backward(loss)
             total += float(loss.detach())
+        total = sum_metrics_over_ranks({"loss": total})["loss"]
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.training.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -260,11 +289,13 @@ class FSDPTrainer:
 
     # ---- weights out ------------------------------------------------------------------------
     def _full_weights(self) -> dict[str, torch.Tensor]:
-        return state_io.full_weights(self.model)
+        """On every rank (the reference refresh needs them everywhere)."""
+        return state_io.full_weights(self.model, to_cpu=False)
 
     def hf_state_dict(self, to_cpu: bool | None = None) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights under Hugging Face names (tied head dropped); on the GPU
-        unless to_cpu (default: only when training on CPU)."""
+        unless to_cpu (default: only when training on CPU). A collective: with to_cpu only
+        rank 0 receives them (the others get an empty dict)."""
         to_cpu = not torch.cuda.is_available() if to_cpu is None else to_cpu
         return state_io.full_weights(self.model, drop_tied_head=self.tied, to_cpu=to_cpu)
 
@@ -279,6 +310,9 @@ class FSDPTrainer:
         return rendezvous_endpoint()
 
     def open_weight_broadcast(self, address: str, port: int, world_size: int, group_name: str) -> None:
+        """Rank 0 sends for the whole data-parallel group (every rank holds the same weights)."""
+        if self.rank != 0:
+            return
         self.broadcast_group = init_custom_process_group(self.broadcast_backend(), f"tcp://{address}:{port}",
                                                          world_size, 0, group_name)
 
@@ -286,7 +320,10 @@ class FSDPTrainer:
                           api_key: str | None = None) -> int:
         from miles_core.weights import broadcast_to_engines
 
-        return broadcast_to_engines(self.hf_state_dict(), self.broadcast_group, urls, group_name, version, bucket_bytes,
+        weights = self.hf_state_dict()  # a collective: every rank takes part in the gather
+        if self.rank != 0:
+            return 0
+        return broadcast_to_engines(weights, self.broadcast_group, urls, group_name, version, bucket_bytes,
                                     api_key)
 
     def close_weight_broadcast(self) -> None:
@@ -297,13 +334,15 @@ class FSDPTrainer:
     def export_hf(self, out_dir: str | Path) -> Path:
         """Save a standalone HF directory (config, safetensors weights, tokenizer)."""
         out_dir = Path(out_dir)
+        state = self.hf_state_dict(to_cpu=True)  # a collective; rank 0 writes
+        if self.rank != 0:
+            return out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         self.model.config.save_pretrained(out_dir)
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.save_pretrained(out_dir)
         # The checkpoint layout (per-expert MoE tensors) is what SGLang and save_pretrained read;
         # split experts are views of one tensor, which safetensors refuses to save as such.
-        state = self.hf_state_dict(to_cpu=True)
         weights = {k: v if k in state else v.clone() for k, v in checkpoint_layout(state).items()}
         save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         self.tokenizer.save_pretrained(out_dir)
@@ -316,12 +355,15 @@ class FSDPTrainer:
             yield "critic", self.critic, self.critic_optimizer, self.critic_scheduler
 
     def save_state(self, out_dir: str | Path, extra: dict[str, Any]) -> None:
-        """Policy (+critic) weights, optimizers, schedulers, reference and RNG in out_dir."""
+        """Policy (+critic) weights, optimizers, schedulers, reference and RNG in out_dir. Every
+        rank takes part in gathering the shards; rank 0 writes (the ranks' replicas agree)."""
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
         meta: dict[str, Any] = {"modules": {}}
         for name, model, optimizer, scheduler in self._modules():
-            meta["modules"][name] = state_io.save_module(out_dir, name, model, optimizer, scheduler, self.tied)
+            meta["modules"][name] = state_io.save_module(out_dir, name, model, optimizer, scheduler, self.tied,
+                                                         write=self.rank == 0)
+        if self.rank != 0:
+            return
         if self.reference is not None and self.algorithm.ref_refresh_interval_steps:
             save_file({k: v.contiguous() for k, v in self.reference.state_dict().items()},
                       str(out_dir / "reference.safetensors"))

@@ -33,11 +33,17 @@ def full_weights(model: torch.nn.Module, drop_tied_head: bool = False, to_cpu: b
     return {k: v.contiguous() for k, v in state.items()}
 
 
-def save_module(out_dir: Path, name: str, model, optimizer, scheduler, drop_tied_head: bool) -> dict[str, Any]:
-    """Write weights and optimizer tensors; return the JSON-able rest (param groups, scheduler)."""
-    weights_file = "model.safetensors" if name == "policy" else f"{name}.safetensors"
-    save_file(full_weights(model, drop_tied_head), str(out_dir / weights_file))
+def save_module(out_dir: Path, name: str, model, optimizer, scheduler, drop_tied_head: bool,
+                write: bool = True) -> dict[str, Any]:
+    """Write weights and optimizer tensors; return the JSON-able rest (param groups, scheduler).
+    Gathering the shards is a collective: every rank calls this, one writes."""
+    weights = full_weights(model, drop_tied_head)
     optim = get_optimizer_state_dict(model, optimizer, options=FULL)
+    if not write:
+        return {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights_file = "model.safetensors" if name == "policy" else f"{name}.safetensors"
+    save_file(weights, str(out_dir / weights_file))
     tensors = {f"{fqn}::{key}": torch.as_tensor(value).detach().cpu().contiguous()
                for fqn, entry in optim["state"].items() for key, value in entry.items()}
     save_file(tensors, str(out_dir / f"{name}_optimizer.safetensors"))

@@ -30,6 +30,7 @@ from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.data import Sample
 from miles_core.training import state_io
 from miles_core.training.batches import pad_batch, select_rows
+from miles_core.training.data_parallel import rank_micro_batches, sum_metrics_over_ranks, sum_over_ranks
 from miles_core.training.logprobs import next_token_logprobs
 from miles_core.training.megatron import mapping, state
 from miles_core.training.megatron.convert import (
@@ -79,15 +80,6 @@ def _require_experts(model_dir: str) -> None:
     if model_shape(hf_config).num_experts is None:
         raise ValueError(f"training.megatron.routing_replay needs an MoE model (Qwen3-MoE), but {model_dir} is "
                          f"{family_of(hf_config)} without experts: set training.megatron.routing_replay=false")
-
-
-def _filled(batch: dict[str, torch.Tensor], rows: slice, size: int) -> dict[str, torch.Tensor]:
-    """batch[rows] plus masked copies of row 0 up to `size` rows (they add nothing to any loss)."""
-    num_real = rows.stop - rows.start
-    index = list(range(rows.start, rows.stop)) + [0] * (size - num_real)
-    mb = {k: v[torch.tensor(index, device=v.device)] for k, v in batch.items()}
-    mb["mask"][num_real:] = 0
-    return mb
 
 
 class ValueHead(torch.nn.Module):
@@ -237,25 +229,13 @@ class MegatronTrainer:
         return values[:, :-1].float()
 
     def _my_micro_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[tuple[slice, dict[str, torch.Tensor]]]:
-        """(rows, micro-batch) pairs of this data-parallel rank: micro-batches dealt round-robin.
-
-        With expert parallelism every forward exchanges tokens between the EP ranks, so every
-        rank runs as many micro-batches, all of one shape: a rank's short or missing ones are
-        filled up with masked copies of row 0 (micro-batch rows past the real `rows`)."""
-        num_rows, size = len(batch["tokens"]), self.training.micro_batch_size
-        num_slices = -(-num_rows // size)
-        for index in range(self.dp_rank, -(-num_slices // self.dp) * self.dp, self.dp):
-            start = min(index * size, num_rows)
-            rows = slice(start, min(start + size, num_rows))
-            if self.opts.ep > 1:
-                yield rows, _filled(batch, rows, size)
-            elif rows.stop > rows.start:
-                yield rows, select_rows(batch, rows)
+        """This data-parallel rank's micro-batches. With expert parallelism every forward
+        exchanges tokens between the EP ranks, so every rank runs as many, all of one shape."""
+        return rank_micro_batches(batch, self.training.micro_batch_size, self.dp_rank, self.dp,
+                                  equal_shapes=self.opts.ep > 1)
 
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.dp > 1:
-            dist.all_reduce(tensor, group=self.ps.get_data_parallel_group())
-        return tensor
+        return sum_over_ranks(tensor, self.ps.get_data_parallel_group())
 
     @torch.no_grad()
     def _score(self, batch: dict[str, torch.Tensor]) -> None:
@@ -356,13 +336,7 @@ class MegatronTrainer:
         return sums
 
     def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        if self.dp == 1:
-            return sums
-        names: list[list[str]] = [[] for _ in range(self.dp)]
-        dist.all_gather_object(names, sorted(sums), group=self.ps.get_data_parallel_group())
-        keys = sorted(set().union(*names))
-        values = self._dp_sum(torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64))
-        return {k: float(v) for k, v in zip(keys, values)}
+        return sum_metrics_over_ranks(sums, self.ps.get_data_parallel_group())
 
     def _loss(self, mb: dict[str, torch.Tensor], totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
         cfg = self.algorithm
