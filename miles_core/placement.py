@@ -1,7 +1,7 @@
 """Ray placement: one placement group, bundles 0..W-1 = trainer ranks, then engines (rank order).
 
-W is the trainer's world size (training.world_size): training.data_parallel_size for FSDP2,
-tp * pp * ep for Megatron; above 1, a trainer group of one actor per rank (trainer_group.py).
+W is the trainer's world size (training.world_size): dp for FSDP2, tp * pp * dp for Megatron;
+above 1, a trainer group of one actor per rank (trainer_group.py).
 
 Deterministic mapping means a restarted engine lands in its own bundle again, and `miles
 plan` can print exactly what the cluster will be asked for.
@@ -36,10 +36,10 @@ def describe(cfg: RunConfig) -> list[tuple[str, str]]:
         m = t.megatron
         actors = "one trainer actor" if t.world_size == 1 else f"a group of {t.world_size} trainer actors"
         parallel = (f"megatron tp={m.tensor_parallel_size} pp={m.pipeline_parallel_size} "
-                    f"cp={m.context_parallel_size} ep={m.expert_parallel_size} dp={m.expert_parallel_size} ({actors}), "
+                    f"cp={m.context_parallel_size} ep={m.expert_parallel_size} dp={t.dp} ({actors}), "
                     f"recompute {'on' if m.recompute_activations else 'off'}")
     else:
-        dp = t.data_parallel_size
+        dp = t.dp
         parallel = (f"fsdp2 dp={dp}, parameters sharded over {dp} trainer actors" if dp > 1
                     else "fsdp2 dp=1 (one trainer actor, nothing sharded)")
     rows, ranks = [("trainer parallelism", parallel)], t.world_size

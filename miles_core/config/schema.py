@@ -147,11 +147,6 @@ class MegatronConfig(Section):
                              "attention): set training.megatron.context_parallel_size=1")
         return self
 
-    @property
-    def model_parallel_size(self) -> int:
-        """Ranks one model replica spans (tp * pp * ep)."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.expert_parallel_size
-
 
 class TrainingConfig(Section):
     backend: Literal["fsdp2", "megatron"] = "fsdp2"
@@ -181,23 +176,34 @@ class TrainingConfig(Section):
     them evenly over its rank actors."""
     gpus_per_trainer: float = Field(0.0, ge=0)
     """Ray GPUs reserved by the trainer, in all: 0 on CPU, else one per rank (world_size)."""
-    data_parallel_size: int = Field(1, ge=1)
-    """FSDP2 ranks (Ray actors, one GPU each; gloo processes on CPU): the parameters are sharded
-    over them and each takes a deterministic share of every batch's micro-batches. The
-    megatron backend takes its data parallelism from training.megatron (dp = ep) and needs 1."""
+    data_parallel_size: int | None = Field(None, ge=1)
+    """Data-parallel ranks; each takes a deterministic share of every batch's micro-batches.
+    FSDP2: Ray actors (one GPU each; gloo processes on CPU) that the parameters, gradients and
+    Adam states are sharded over. Megatron: model replicas of tp * pp ranks each (a multiple of
+    expert_parallel_size: the experts are split over ep of them). None: 1 for FSDP2,
+    expert_parallel_size for Megatron."""
+
+    @property
+    def dp(self) -> int:
+        """data_parallel_size with its default resolved."""
+        default = self.megatron.expert_parallel_size if self.backend == "megatron" else 1
+        return self.data_parallel_size or default
 
     @property
     def world_size(self) -> int:
-        """Trainer ranks (Ray actors): data_parallel_size for FSDP2, tp * pp * ep for Megatron.
-        With ep > 1 the dense weights are replicated over the ep ranks (dp = ep), which split
-        each batch's micro-batches; each rank holds 1/ep of the experts."""
-        return self.megatron.model_parallel_size if self.backend == "megatron" else self.data_parallel_size
+        """Trainer ranks (Ray actors): dp for FSDP2, tp * pp * dp for Megatron (each holding
+        1/ep of the experts)."""
+        if self.backend == "megatron":
+            return self.megatron.tensor_parallel_size * self.megatron.pipeline_parallel_size * self.dp
+        return self.dp
 
     @model_validator(mode="after")
     def _data_parallel_fits(self) -> TrainingConfig:
-        if self.backend == "megatron" and self.data_parallel_size > 1:
-            raise ValueError("training.data_parallel_size applies to the fsdp2 backend; Megatron's data parallelism "
-                             "is dp = training.megatron.expert_parallel_size for now: set data_parallel_size=1")
+        ep = self.megatron.expert_parallel_size
+        if self.backend == "megatron" and self.dp % ep:
+            raise ValueError(f"training.data_parallel_size={self.dp} must be a multiple of "
+                             f"training.megatron.expert_parallel_size={ep} (the experts are split over ep of the "
+                             f"data-parallel replicas): set data_parallel_size to {ep}, {2 * ep}, ...")
         return self
 
     @model_validator(mode="after")

@@ -309,21 +309,22 @@ def test_tp2_logits_shards_conversion_and_tp1_resume(models):
     assert max_abs_diff(result["logp_after"], reference["logp_after"]) <= RESUME_TOL
 
 
-# ---- EP=2: two gloo processes, each with half of the experts; dense weights data-parallel -------------
+# ---- two gloo processes vs one: EP=2 (each rank half of the experts, dense weights data-parallel)
+# and dense DP=2 (each rank a full replica) -------------------------------------------------------------
 # 8 rows in micro-batches of 3: three micro-batches over two ranks, so rank 1 runs a filler one.
 EP_TRAINING = dict(lr=3e-3, micro_batch_size=3, num_threads=1)
 EP_TOL = 1e-5
 
 
-def _moe_trainer(path: str, ep: int):
+def _grpo_trainer(path: str, ep: int):
     from miles_core.training.megatron.trainer import MegatronTrainer
 
     return MegatronTrainer(path, TrainingConfig(**EP_TRAINING), AlgorithmConfig(name="grpo", entropy_coef=0.01),
                            group_size=2, megatron={"ep": ep})
 
 
-def _moe_run(trainer, state_dir: str) -> dict:
-    """What the EP test compares: weights and log-probs before and after one GRPO step."""
+def _one_step_run(trainer, state_dir: str) -> dict:
+    """What the two-rank tests compare: weights and log-probs before and after one GRPO step."""
     def weights() -> dict[str, torch.Tensor]:  # copies: on CPU the tensors may share the parameters' storage
         return {k: v.clone() for k, v in trainer.hf_state_dict().items()}
 
@@ -334,31 +335,33 @@ def _moe_run(trainer, state_dir: str) -> dict:
     return out
 
 
-def _ep2_rank(rank: int, world_size: int, paths: dict[str, str]) -> dict:
+def _two_rank(rank: int, world_size: int, paths: dict[str, str], ep: int) -> dict:
     torch.set_num_threads(1)
-    trainer = _moe_trainer(paths["moe"], ep=2)
+    trainer = _grpo_trainer(paths["model"], ep=ep)
     try:
         local = {mapping.local_expert_index(n) for n in trainer.model.state_dict()} - {None}
-        result = {"local_experts": sorted(local), **_moe_run(trainer, paths["ep2_state"])}
-        trainer.load_state(paths["ep1_state"])  # written at ep=1
+        result = {"local_experts": sorted(local), "dp": trainer.dp, **_one_step_run(trainer, paths["two_state"])}
+        trainer.load_state(paths["one_state"])  # written by one rank
         result["resumed_logp"] = trainer.compute_logprobs(random_samples(seed=7))
         return result
     finally:
         trainer.close()
 
 
-def test_ep2_trains_like_ep1_and_checkpoints_across_ep_sizes(models, tmp_path):
+@pytest.mark.parametrize("model,ep", [("moe", 2), ("qwen3", 1)], ids=["ep2-moe", "dp2-dense"])
+def test_two_ranks_train_like_one_and_checkpoint_across_sizes(models, tmp_path, model, ep):
     from miles_core.training.megatron.launch import run_spawned
 
-    paths = {"moe": str(models["moe"]), "ep1_state": str(tmp_path / "ep1"), "ep2_state": str(tmp_path / "ep2")}
-    trainer = _moe_trainer(paths["moe"], ep=1)
+    paths = {"model": str(models[model]), "one_state": str(tmp_path / "one"), "two_state": str(tmp_path / "two")}
+    trainer = _grpo_trainer(paths["model"], ep=1)
     try:
-        reference = _moe_run(trainer, paths["ep1_state"])
+        reference = _one_step_run(trainer, paths["one_state"])
         reference["resumed_logp"] = trainer.compute_logprobs(random_samples(seed=7))
     finally:
         trainer.close()
-    result = run_spawned(_ep2_rank, 2, paths)
-    assert result["local_experts"] == [0, 1]  # 4 experts: two per rank
+    result = run_spawned(_two_rank, 2, paths, ep)
+    assert result["dp"] == 2  # the dense weights are data-parallel either way
+    assert result["local_experts"] == ([0, 1] if ep == 2 else [])  # 4 experts: two per rank
     # weight sync / export gathers every rank's experts: bit-exact HF weights
     assert set(result["initial"]) == set(reference["initial"])
     assert all(torch.equal(result["initial"][k], v) for k, v in reference["initial"].items())
@@ -369,11 +372,11 @@ def test_ep2_trains_like_ep1_and_checkpoints_across_ep_sizes(models, tmp_path):
     assert all(torch.allclose(result["final"][k], v, atol=EP_TOL) for k, v in reference["final"].items())
     assert not torch.equal(result["final"]["model.embed_tokens.weight"], result["initial"]["model.embed_tokens.weight"])
     assert max_abs_diff(result["logp_after"], reference["logp_after"]) <= EP_TOL
-    # an ep=1 checkpoint resumes at ep=2, and an ep=2 checkpoint at ep=1
+    # a one-rank checkpoint resumes on two, and a two-rank checkpoint on one
     assert max_abs_diff(result["resumed_logp"], reference["resumed_logp"]) <= EP_TOL
-    trainer = _moe_trainer(paths["moe"], ep=1)
+    trainer = _grpo_trainer(paths["model"], ep=1)
     try:
-        assert trainer.load_state(paths["ep2_state"]) == {"step": 1}
+        assert trainer.load_state(paths["two_state"]) == {"step": 1}
         restored = trainer.hf_state_dict()
         assert all(torch.equal(restored[k], v) for k, v in result["final"].items())
     finally:

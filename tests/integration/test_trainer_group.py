@@ -1,7 +1,7 @@
 """The Megatron trainer group on real Ray (CPU, gloo): TP=2 as two rank actors behind one handle,
 a TP=2 run of the training driver that checkpoints, syncs the engines and resumes at TP=1, an
-EP=2 MoE run with routing replay, and a failing rank that surfaces as an exception instead of
-a hang."""
+EP=2 MoE run with routing replay, a dense DP=2 run that resumes at DP=1, and a failing rank that
+surfaces as an exception instead of a hang."""
 
 from __future__ import annotations
 
@@ -148,3 +148,15 @@ def test_ep2_moe_run_with_routing_replay_syncs_engines_on_policy(ray_local, tmp_
     experts = [k for k in initial if ".mlp.experts." in k]
     assert experts and all(exported[k].shape == initial[k].shape for k in experts)
     assert any(not torch.equal(exported[k], initial[k]) for k in experts)  # experts of both ranks trained
+
+
+def test_dense_dp2_run_syncs_engines_on_policy_and_resumes_at_dp1(ray_local, tmp_path, tiny_model_dir):
+    # two full replicas of the dense model, each training half of every batch's micro-batches
+    dp2 = run_training(_spec(tmp_path, tiny_model_dir, tp=1, num_steps=2,
+                             extra=("training.data_parallel_size=2", "training.cpus_per_trainer=2")))
+    assert dp2.steps == 2
+    diffs = [h["rollout/train_logprob_abs_diff"] for h in dp2.history]
+    assert max(diffs) <= ON_POLICY_TOL, diffs
+    more = run_training(_spec(tmp_path, tiny_model_dir, tp=1, num_steps=3))
+    assert more.resumed_from_step == 2 and [h["step"] for h in more.history] == [3]
+    assert more.history[0]["rollout/train_logprob_abs_diff"] <= ON_POLICY_TOL
