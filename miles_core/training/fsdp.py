@@ -14,13 +14,13 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
-from miles_core import algorithms as algo
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.data import Sample
 from miles_core.net import free_port, init_custom_process_group, rendezvous_endpoint
 from miles_core.training import state_io
-from miles_core.training.batches import pad_batch, select_rows
+from miles_core.training.batches import pad_batch
+from miles_core.training.core import RLTrainerCore
 from miles_core.training.data_parallel import rank_micro_batches, sum_metrics_over_ranks, sum_over_ranks
 from miles_core.training.logprobs import next_token_logprobs
 from miles_core.weight_layout import checkpoint_layout, weights_sha256
@@ -97,9 +97,9 @@ def _compile_requested() -> bool:
     return os.environ.get("MILES_TORCH_COMPILE", "0") == "1" and torch.cuda.is_available()
 
 
-class FSDPTrainer:
+class FSDPTrainer(RLTrainerCore):
     """Owns the policy (and critic/reference/teacher when the objective needs them), their
-    optimizers and schedulers; speaks HF parameter names."""
+    optimizers and schedulers; speaks HF parameter names. The RL step is RLTrainerCore's."""
 
     def __init__(self, model_dir: str, training: TrainingConfig, algorithm: AlgorithmConfig,
                  temperature: float = 1.0, max_new_tokens: int = 8, seed: int = 0, group_size: int = 1,
@@ -114,7 +114,7 @@ class FSDPTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = _shard(self._load(AutoModelForCausalLM, model_dir)).train()
         self.tied = bool(self.model.config.tie_word_embeddings)
-        self.optimizer, self.scheduler = self._optimizer(self.model, training.lr)
+        self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), training.lr)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         if algorithm.uses_critic:
             # classifier_dropout: transformers' token-classification head adds dropout 0.1 by default,
@@ -122,17 +122,10 @@ class FSDPTrainer:
             config = AutoConfig.from_pretrained(model_dir, num_labels=1)
             config.classifier_dropout = 0.0
             self.critic = _shard(self._load(AutoModelForTokenClassification, model_dir, config=config)).train()
-            self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic, algorithm.critic_lr)
+            self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic.parameters(), algorithm.critic_lr)
         self.reference = self._frozen(model_dir) if objectives.needs_reference(algorithm) else None
         self.teacher = self._frozen(teacher_dir) if algorithm.effective_opd_coef > 0 else None
         self.step = 0
-
-    def _optimizer(self, model: torch.nn.Module, lr: float):
-        t = self.training
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
-        warmup = t.lr_warmup_steps
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        return optimizer, schedule
 
     def _load(self, model_class, model_dir: str, **kwargs) -> torch.nn.Module:
         return model_class.from_pretrained(model_dir, dtype=torch.float32, **kwargs).to(self.device)
@@ -142,6 +135,11 @@ class FSDPTrainer:
             raise ValueError("a teacher model directory is required for distillation")
         return self._load(AutoModelForCausalLM, model_dir).eval().requires_grad_(False)
 
+    def close(self) -> None:
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- RLTrainerCore hooks ----------------------------------------------------------------
     def _batch(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in pad_batch(samples, self.tokenizer.pad_token_id).items()}
 
@@ -151,141 +149,35 @@ class FSDPTrainer:
         return rank_micro_batches(batch, self.training.micro_batch_size, self.rank, self.world,
                                   equal_shapes=self.world > 1)
 
-    def close(self) -> None:
-        if self.owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+    def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return sum_over_ranks(tensor)
 
-    # ---- forward pieces -------------------------------------------------------------------
-    def _token_logprobs(self, model, batch: dict[str, torch.Tensor], with_entropy: bool = False):
-        return causal_lm_logprobs(model, batch["tokens"], batch["attention"], self.temperature, with_entropy)
+    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return sum_metrics_over_ranks(sums)
 
-    def _values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # The value at position t scores the state that predicts token t+1 (next-token layout).
-        return self.critic(input_ids=batch["tokens"], attention_mask=batch["attention"]).logits[:, :-1, 0].float()
+    def _sync_and_clip(self, *modules: torch.nn.Module) -> torch.Tensor:
+        """FSDP2 reduced the gradients in backward; the norm of DTensor gradients is global."""
+        params = [p for m in modules for p in m.parameters()]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.training.grad_clip)
+        return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
-    @torch.no_grad()
-    def _score(self, batch: dict[str, torch.Tensor], with_old: bool = True) -> None:
-        """Old-policy, reference, teacher log-probs and old values of every row: each rank
-        scores its micro-batches, the sum over ranks fills in the rest."""
-        scorers = {"old_logp": lambda mb: self._token_logprobs(self.model, mb)[0]} if with_old else {}
-        if self.reference is not None:
-            scorers["ref_logp"] = lambda mb: self._token_logprobs(self.reference, mb)[0]
-        if self.teacher is not None:
-            scorers["teacher_logp"] = lambda mb: self._token_logprobs(self.teacher, mb)[0]
-        if self.critic is not None:
-            scorers["old_values"] = self._values
-        for key, scorer in scorers.items():
-            out = torch.zeros_like(batch["mask"])
-            for rows, mb in self._my_micro_batches(batch):
-                out[rows] = scorer(mb)[: rows.stop - rows.start].to(out.dtype)
-            batch[key] = sum_over_ranks(out)
+    def _refresh_reference(self) -> None:
+        self.reference.load_state_dict(self._full_weights(), strict=False)
 
-    @torch.no_grad()
-    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
-        """Trainer log-probs of each sample's response tokens (for mismatch checks)."""
-        batch = self._batch(samples)
-        self._score(batch)
-        return [batch["old_logp"][row][batch["mask"][row] > 0].tolist() for row in range(len(samples))]
-
-    # ---- one RL step ----------------------------------------------------------------------
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """Score, compute advantages over the whole batch, then policy/critic update(s)."""
-        cfg, num_updates = self.algorithm, self.training.num_updates_per_step
-        batch = self._batch(samples)
-        # one rank's update forward sees only its rows: with several, score the old policy first
-        lazy_old = objectives.old_logp_from_update_forward(cfg, num_updates) and self.world == 1
-        self._score(batch, with_old=not lazy_old)
-        if not lazy_old:
-            objectives.anchor_old_logprobs(cfg, batch)
-        objectives.compute_advantages(cfg, batch, self.group_size)
-        weights = objectives.importance_weights(cfg, batch)
-        batch["is_weights"] = weights if weights is not None else torch.ones_like(batch["mask"])
-        self._update_logp: list[torch.Tensor] = []
-        chunk = -(-len(samples) // num_updates)
-        metrics: dict[str, float] = {}
-        for start in range(0, len(samples), chunk):
-            metrics |= self._update(select_rows(batch, slice(start, start + chunk)))
-        if lazy_old:
-            batch["old_logp"] = torch.cat(self._update_logp)
-        metrics |= self._batch_metrics(batch)
-        self.step += 1
-        refresh = cfg.ref_refresh_interval_steps
-        if refresh and self.reference is not None and self.step % refresh == 0:
-            self.reference.load_state_dict(self._full_weights(), strict=False)
-        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
-        return metrics
-
-    def _batch_metrics(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        mask = batch["mask"]
-        train_logp = batch.get("trainer_logp", batch["old_logp"])
-        metrics = {k: float(v) for k, v in algo.mismatch_metrics(train_logp, batch["rollout_logp"], mask).items()}
-        metrics["rollout/train_logprob_abs_diff"] = metrics["mismatch/logprob_abs_diff"]
-        metrics["train/advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
-        if self.teacher is not None:
-            metrics["opd/reverse_kl"] = float(((train_logp - batch["teacher_logp"]) * mask).sum() / mask.sum())
-        return metrics
-
-    def _update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        train_policy = self.step >= self.algorithm.critic_warmup_steps
-        totals = {"num_tokens": float(batch["mask"].sum()), "num_seqs": float(len(batch["tokens"]))}
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.critic is not None:
-            self.critic_optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for rows, mb in self._my_micro_batches(batch):
-            loss, parts = self._loss(mb, totals) if train_policy else (torch.zeros((), device=self.device), {})
-            if self.critic is not None:
-                share = (rows.stop - rows.start) / totals["num_seqs"]
-                value_loss = algo.value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["mask"],
-                                             self.algorithm.value_clip) * share
-                loss = loss + value_loss
-                parts["train/value_loss"] = float(value_loss.detach())
-            self._backward(loss)
-            for key, value in parts.items():
-                sums[key] = sums.get(key, 0.0) + value
-        sums = sum_metrics_over_ranks(sums)
-        if train_policy:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.training.grad_clip)
-            sums["train/grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            self.optimizer.step()
-        self.scheduler.step()
-        if self.critic is not None:
-            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.training.grad_clip)
-            self.critic_optimizer.step()
-            self.critic_scheduler.step()
-        sums.setdefault("train/loss", sums.get("train/value_loss", 0.0))
-        return sums
+    def _lazy_old_logprobs(self) -> bool:
+        return self.world == 1  # with several ranks, one rank's update forward sees only its rows
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Each rank's loss is normalised by the global batch's counts, so the true gradient is
         the sum over ranks; FSDP2 averages (gloo has no pre-scaled sum), hence the factor."""
         (loss * self.world if self.world > 1 else loss).backward()
 
-    def _loss(self, mb: dict[str, torch.Tensor], totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
-        cfg = self.algorithm
-        logp, entropy = self._token_logprobs(self.model, mb, with_entropy=cfg.entropy_coef > 0)
-        self._update_logp.append(logp.detach())
-        if "old_logp" not in mb:  # one update per batch: the old policy is this forward's
-            mb["old_logp"] = logp.detach()
-        return objectives.policy_loss(cfg, logp, entropy, mb, totals, self.max_new_tokens)
+    def _token_logprobs(self, model, batch: dict[str, torch.Tensor], with_entropy: bool = False):
+        return causal_lm_logprobs(model, batch["tokens"], batch["attention"], self.temperature, with_entropy)
 
-    def sft_step(self, samples: list[Sample]) -> float:
-        """One supervised step: agg(-log p) over the trainable response tokens."""
-        batch = self._batch(samples)
-        num_tokens = float(batch["mask"].sum())
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for _, mb in self._my_micro_batches(batch):
-            logp, _ = self._token_logprobs(self.model, mb)
-            loss = algo.sft_loss(logp, mb["mask"], num_tokens=num_tokens)
-            self._backward(loss)
-            total += float(loss.detach())
-        total = sum_metrics_over_ranks({"loss": total})["loss"]
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.training.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        return total
+    def _values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # The value at position t scores the state that predicts token t+1 (next-token layout).
+        return self.critic(input_ids=batch["tokens"], attention_mask=batch["attention"]).logits[:, :-1, 0].float()
 
     # ---- weights out ------------------------------------------------------------------------
     def _full_weights(self) -> dict[str, torch.Tensor]:

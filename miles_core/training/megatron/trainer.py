@@ -24,12 +24,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
-from miles_core import algorithms as algo
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.data import Sample
 from miles_core.training import state_io
-from miles_core.training.batches import pad_batch, select_rows
+from miles_core.training.batches import pad_batch
+from miles_core.training.core import RLTrainerCore
 from miles_core.training.data_parallel import rank_micro_batches, sum_metrics_over_ranks, sum_over_ranks
 from miles_core.training.logprobs import next_token_logprobs
 from miles_core.training.megatron import mapping, state
@@ -96,7 +96,7 @@ class ValueHead(torch.nn.Module):
         return {f"value_head.{k}": v for k, v in self.state_dict(keep_vars=True).items()}
 
 
-class MegatronTrainer:
+class MegatronTrainer(RLTrainerCore):
     """Policy (+critic / reference / teacher) as megatron GPTModels; speaks HF names outside."""
 
     def __init__(self, model_dir: str, training: TrainingConfig, algorithm: AlgorithmConfig,
@@ -186,13 +186,6 @@ class MegatronTrainer:
             hf_weights = load_hf_weights(model_dir)
         return self._build(hf_config, hf_weights, megatron_ckpt, replay=replay).eval().requires_grad_(False)
 
-    def _optimizer(self, params, lr: float):
-        t = self.training
-        optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
-        warmup = t.lr_warmup_steps
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-        return optimizer, schedule
-
     def close(self) -> None:
         shutdown_parallel(self.owns_process_group)
 
@@ -200,6 +193,9 @@ class MegatronTrainer:
     def _device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         device = next(self.model.parameters()).device
         return {k: v.to(device) for k, v in batch.items()}
+
+    def _batch(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        return self._device(pad_batch(samples, self.tokenizer.pad_token_id))
 
     def _rl_batch(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         """pad_batch on the device, plus the engine's experts when routing replay is on (kept on
@@ -237,57 +233,7 @@ class MegatronTrainer:
     def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return sum_over_ranks(tensor, self.ps.get_data_parallel_group())
 
-    @torch.no_grad()
-    def _score(self, batch: dict[str, torch.Tensor]) -> None:
-        """Old-policy, reference, teacher log-probs and old values for every row (DP-shared)."""
-        scorers = {"old_logp": lambda mb: self._token_logprobs(self.model, mb)[0]}
-        if self.reference is not None:
-            scorers["ref_logp"] = lambda mb: self._token_logprobs(self.reference, mb)[0]
-        if self.teacher is not None:
-            scorers["teacher_logp"] = lambda mb: self._token_logprobs(self.teacher, mb)[0]
-        if self.critic is not None:
-            scorers["old_values"] = self._values
-        for key, scorer in scorers.items():
-            out = torch.zeros_like(batch["mask"])
-            for rows, mb in self._my_micro_batches(batch):
-                out[rows] = scorer(mb)[: rows.stop - rows.start].to(out.dtype)
-            batch[key] = self._dp_sum(out)
-
-    @torch.no_grad()
-    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
-        """Trainer log-probs of each sample's response tokens (for mismatch checks)."""
-        batch = self._rl_batch(samples)
-        self._score(batch)
-        return [batch["old_logp"][row][batch["mask"][row] > 0].tolist() for row in range(len(samples))]
-
-    # ---- one RL step ----------------------------------------------------------------------------
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """Score, compute advantages over the whole batch, then policy/critic update(s)."""
-        cfg = self.algorithm
-        batch = self._rl_batch(samples)
-        self._score(batch)
-        objectives.anchor_old_logprobs(cfg, batch)
-        objectives.compute_advantages(cfg, batch, self.group_size)
-        weights = objectives.importance_weights(cfg, batch)
-        batch["is_weights"] = weights if weights is not None else torch.ones_like(batch["mask"])
-        mask = batch["mask"]
-        metrics = {k: float(v) for k, v in algo.mismatch_metrics(batch["trainer_logp"], batch["rollout_logp"],
-                                                                 mask).items()}
-        metrics["rollout/train_logprob_abs_diff"] = metrics["mismatch/logprob_abs_diff"]
-        metrics["train/advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
-        if self.teacher is not None:
-            metrics["opd/reverse_kl"] = float(((batch["trainer_logp"] - batch["teacher_logp"]) * mask).sum()
-                                              / mask.sum())
-        chunk = -(-len(samples) // self.training.num_updates_per_step)
-        for start in range(0, len(samples), chunk):
-            metrics |= self._update(select_rows(batch, slice(start, start + chunk)))
-        self.step += 1
-        refresh = cfg.ref_refresh_interval_steps
-        if refresh and self.reference is not None and self.step % refresh == 0:
-            self.reference.load_state_dict(self.model.state_dict())
-        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
-        return metrics
-
+    # ---- RLTrainerCore hooks: gradients and metrics across ranks -----------------------------------
     def _sync_and_clip(self, *modules: torch.nn.Module) -> torch.Tensor:
         """Sum gradients over DP (an expert's over the expert-DP ranks that hold the same
         experts); over TP for the q/k norms (each TP rank only sees its own heads, as megatron's
@@ -304,60 +250,14 @@ class MegatronTrainer:
                 dist.all_reduce(p.grad, group=self.ps.get_tensor_model_parallel_group())
         return clip_grad_norm([p for _, p in named], self.training.grad_clip)
 
-    def _update(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        train_policy = self.step >= self.algorithm.critic_warmup_steps
-        totals = {"num_tokens": float(batch["mask"].sum()), "num_seqs": float(len(batch["tokens"]))}
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.critic is not None:
-            self.critic_optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for rows, mb in self._my_micro_batches(batch):
-            loss, parts = self._loss(mb, totals) if train_policy else (torch.zeros(()), {})
-            if self.critic is not None:
-                share = (rows.stop - rows.start) / totals["num_seqs"]
-                value_loss = algo.value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["mask"],
-                                             self.algorithm.value_clip) * share
-                loss = loss + value_loss
-                parts["train/value_loss"] = float(value_loss.detach())
-            if loss.requires_grad:
-                loss.backward()
-            for key, value in parts.items():
-                sums[key] = sums.get(key, 0.0) + value
-        sums = self._reduce_metrics(sums)
-        if train_policy:
-            sums["train/grad_norm"] = float(self._sync_and_clip(self.model))
-            self.optimizer.step()
-        self.scheduler.step()
-        if self.critic is not None:
-            self._sync_and_clip(self.critic, self.value_head)
-            self.critic_optimizer.step()
-            self.critic_scheduler.step()
-        sums.setdefault("train/loss", sums.get("train/value_loss", 0.0))
-        return sums
-
     def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         return sum_metrics_over_ranks(sums, self.ps.get_data_parallel_group())
 
-    def _loss(self, mb: dict[str, torch.Tensor], totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
-        cfg = self.algorithm
-        logp, entropy = self._token_logprobs(self.model, mb, with_entropy=cfg.entropy_coef > 0)
-        return objectives.policy_loss(cfg, logp, entropy, mb, totals, self.max_new_tokens)
+    def _critic_modules(self) -> tuple[torch.nn.Module, ...]:
+        return self.critic, self.value_head
 
-    def sft_step(self, samples: list[Sample]) -> float:
-        """One supervised step: agg(-log p) over the trainable response tokens."""
-        batch = self._device(pad_batch(samples, self.tokenizer.pad_token_id))
-        num_tokens = float(batch["mask"].sum())
-        self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), dtype=torch.float64)
-        for _, mb in self._my_micro_batches(batch):
-            loss = algo.sft_loss(self._token_logprobs(self.model, mb)[0], mb["mask"], num_tokens=num_tokens)
-            loss.backward()
-            total += float(loss.detach())
-        self._sync_and_clip(self.model)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        return float(self._dp_sum(total))
+    def _refresh_reference(self) -> None:
+        self.reference.load_state_dict(self.model.state_dict())
 
     # ---- weights out ----------------------------------------------------------------------------
     @staticmethod

@@ -1,0 +1,225 @@
+"""What the loop calls on a trainer (`Trainer`), and the one RL step both backends share.
+
+`RLTrainerCore` owns the step: score the old policy / reference / teacher / critic, advantages
+and importance weights (miles_core.objectives), micro-batched updates with gradient
+accumulation, metrics, optimizers and the reference refresh. A backend (FSDPTrainer,
+MegatronTrainer) builds the models and fills in the hooks below: how to forward, how this
+rank's micro-batches are chosen, how gradients are reduced and clipped, and how sums cross
+ranks. Everything else about a step is written once, here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from miles_core import algorithms as algo
+from miles_core import objectives
+from miles_core.config import AlgorithmConfig, TrainingConfig
+from miles_core.data import Sample
+from miles_core.training.batches import Batch, select_rows
+
+
+class Trainer(Protocol):
+    """The trainer calls of the loop, the weight transports, checkpoints and the warm-up."""
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]: ...
+    def sft_step(self, samples: list[Sample]) -> float: ...
+    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]: ...
+    def hf_state_dict(self, to_cpu: bool | None = None) -> dict[str, torch.Tensor]: ...
+    def weights_sha256(self) -> str: ...
+    def export_hf(self, out_dir: str | Path) -> Path: ...
+    def save_state(self, out_dir: str | Path, extra: dict[str, Any]) -> None: ...
+    def load_state(self, ckpt_dir: str | Path) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class RLTrainerCore:
+    """The shared RL step. Subclasses set the attributes below in __init__ and define the hooks."""
+
+    training: TrainingConfig
+    algorithm: AlgorithmConfig
+    group_size: int
+    max_new_tokens: int
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    critic: torch.nn.Module | None
+    critic_optimizer: torch.optim.Optimizer | None
+    critic_scheduler: Any
+    reference: torch.nn.Module | None
+    teacher: torch.nn.Module | None
+    step: int
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def _batch(self, samples: list[Sample]) -> Batch:
+        """Padded tensors of the samples on the trainer's device."""
+        raise NotImplementedError
+
+    def _rl_batch(self, samples: list[Sample]) -> Batch:
+        """_batch plus what an RL step needs beyond SFT (Megatron: the engines' routed experts)."""
+        return self._batch(samples)
+
+    def _token_logprobs(self, model, mb: Batch, with_entropy: bool = False):
+        """(log p of each next token [B, T-1], entropy or None) of `model` on a micro-batch."""
+        raise NotImplementedError
+
+    def _values(self, mb: Batch) -> torch.Tensor:
+        """The critic's value of each next-token position [B, T-1]."""
+        raise NotImplementedError
+
+    def _my_micro_batches(self, batch: Batch) -> Iterator[tuple[slice, Batch]]:
+        """This data-parallel rank's (rows, micro-batch) pairs (miles_core.training.data_parallel)."""
+        raise NotImplementedError
+
+    def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor summed over data-parallel ranks."""
+        raise NotImplementedError
+
+    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Per-rank metric sums added up over data-parallel ranks."""
+        raise NotImplementedError
+
+    def _sync_and_clip(self, *modules: torch.nn.Module) -> torch.Tensor:
+        """Reduce the modules' gradients where the backend needs it, clip, return the global norm."""
+        raise NotImplementedError
+
+    def _critic_modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.critic,)
+
+    def _refresh_reference(self) -> None:
+        """Copy the policy's current weights into the reference model."""
+        raise NotImplementedError
+
+    def _lazy_old_logprobs(self) -> bool:
+        """Whether the update's own forward may provide the old log-probs (see objectives)."""
+        return False
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    # ---- shared -----------------------------------------------------------------------------------
+    def _optimizer(self, params, lr: float):
+        t = self.training
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+        warmup = t.lr_warmup_steps
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        return optimizer, schedule
+
+    @torch.no_grad()
+    def _score(self, batch: Batch, with_old: bool = True) -> None:
+        """Old-policy, reference, teacher log-probs and old values of every row: each rank
+        scores its micro-batches, the sum over ranks fills in the rest."""
+        scorers = {"old_logp": lambda mb: self._token_logprobs(self.model, mb)[0]} if with_old else {}
+        if self.reference is not None:
+            scorers["ref_logp"] = lambda mb: self._token_logprobs(self.reference, mb)[0]
+        if self.teacher is not None:
+            scorers["teacher_logp"] = lambda mb: self._token_logprobs(self.teacher, mb)[0]
+        if self.critic is not None:
+            scorers["old_values"] = self._values
+        for key, scorer in scorers.items():
+            out = torch.zeros_like(batch["mask"])
+            for rows, mb in self._my_micro_batches(batch):
+                out[rows] = scorer(mb)[: rows.stop - rows.start].to(out.dtype)
+            batch[key] = self._dp_sum(out)
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Trainer log-probs of each sample's response tokens (for mismatch checks)."""
+        batch = self._rl_batch(samples)
+        self._score(batch)
+        return [batch["old_logp"][row][batch["mask"][row] > 0].tolist() for row in range(len(samples))]
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """Score, compute advantages over the whole batch, then policy/critic update(s)."""
+        cfg, num_updates = self.algorithm, self.training.num_updates_per_step
+        batch = self._rl_batch(samples)
+        lazy_old = objectives.old_logp_from_update_forward(cfg, num_updates) and self._lazy_old_logprobs()
+        self._score(batch, with_old=not lazy_old)
+        if not lazy_old:
+            objectives.anchor_old_logprobs(cfg, batch)
+        objectives.compute_advantages(cfg, batch, self.group_size)
+        weights = objectives.importance_weights(cfg, batch)
+        batch["is_weights"] = weights if weights is not None else torch.ones_like(batch["mask"])
+        self._update_logp: list[torch.Tensor] = []
+        chunk = -(-len(samples) // num_updates)
+        metrics: dict[str, float] = {}
+        for start in range(0, len(samples), chunk):
+            metrics |= self._update(select_rows(batch, slice(start, start + chunk)))
+        if lazy_old:
+            batch["old_logp"] = torch.cat(self._update_logp)
+        metrics |= self._batch_metrics(batch)
+        self.step += 1
+        refresh = cfg.ref_refresh_interval_steps
+        if refresh and self.reference is not None and self.step % refresh == 0:
+            self._refresh_reference()
+        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _batch_metrics(self, batch: Batch) -> dict[str, float]:
+        mask = batch["mask"]
+        train_logp = batch.get("trainer_logp", batch["old_logp"])
+        metrics = {k: float(v) for k, v in algo.mismatch_metrics(train_logp, batch["rollout_logp"], mask).items()}
+        metrics["rollout/train_logprob_abs_diff"] = metrics["mismatch/logprob_abs_diff"]
+        metrics["train/advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
+        if self.teacher is not None:
+            metrics["opd/reverse_kl"] = float(((train_logp - batch["teacher_logp"]) * mask).sum() / mask.sum())
+        return metrics
+
+    def _update(self, batch: Batch) -> dict[str, float]:
+        train_policy = self.step >= self.algorithm.critic_warmup_steps
+        totals = {"num_tokens": float(batch["mask"].sum()), "num_seqs": float(len(batch["tokens"]))}
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for rows, mb in self._my_micro_batches(batch):
+            loss, parts = self._loss(mb, totals) if train_policy else (torch.zeros(()), {})
+            if self.critic is not None:
+                share = (rows.stop - rows.start) / totals["num_seqs"]
+                value_loss = algo.value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["mask"],
+                                             self.algorithm.value_clip) * share
+                loss = loss + value_loss
+                parts["train/value_loss"] = float(value_loss.detach())
+            if loss.requires_grad:
+                self._backward(loss)
+            for key, value in parts.items():
+                sums[key] = sums.get(key, 0.0) + value
+        sums = self._reduce_metrics(sums)
+        if train_policy:
+            sums["train/grad_norm"] = float(self._sync_and_clip(self.model))
+            self.optimizer.step()
+        self.scheduler.step()
+        if self.critic is not None:
+            self._sync_and_clip(*self._critic_modules())
+            self.critic_optimizer.step()
+            self.critic_scheduler.step()
+        sums.setdefault("train/loss", sums.get("train/value_loss", 0.0))
+        return sums
+
+    def _loss(self, mb: Batch, totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
+        cfg = self.algorithm
+        logp, entropy = self._token_logprobs(self.model, mb, with_entropy=cfg.entropy_coef > 0)
+        self._update_logp.append(logp.detach())
+        if "old_logp" not in mb:  # one update per batch: the old policy is this forward's
+            mb["old_logp"] = logp.detach()
+        return objectives.policy_loss(cfg, logp, entropy, mb, totals, self.max_new_tokens)
+
+    def sft_step(self, samples: list[Sample]) -> float:
+        """One supervised step: agg(-log p) over the trainable response tokens."""
+        batch = self._batch(samples)
+        num_tokens = float(batch["mask"].sum())
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for _, mb in self._my_micro_batches(batch):
+            loss = algo.sft_loss(self._token_logprobs(self.model, mb)[0], mb["mask"], num_tokens=num_tokens)
+            self._backward(loss)
+            total += float(loss.detach())
+        self._sync_and_clip(self.model)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return self._reduce_metrics({"loss": total})["loss"]
