@@ -66,13 +66,23 @@ def warm_tiny(shared_work_dir) -> dict:
             "eval": Path(data.eval_path), "result": warm}
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray of 2 CPUs for one test module (modules that need more start their own)."""
+def _module_ray(num_cpus: int):
     import ray
 
     if ray.is_initialized():  # left up by a test that failed mid-way: it must not fail every later module
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray of 2 CPUs for one test module."""
+    yield from _module_ray(2)
+
+
+@pytest.fixture(scope="module")
+def ray_local_3cpus():
+    """A local Ray of 3 (logical) CPUs: two trainer ranks or engines of 1 CPU each, plus one more."""
+    yield from _module_ray(3)

@@ -23,12 +23,6 @@ DP_TOL = 1e-5
 ON_POLICY_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
-
 
 def _trainer(model_dir, dp: int, algorithm: AlgorithmConfig):
     # micro-batches of 4 over 10 samples: rank 0 gets two, rank 1 one plus a masked filler
@@ -47,7 +41,7 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("algorithm", [AlgorithmConfig(name="grpo", entropy_coef=0.01),
                                        AlgorithmConfig(name="ppo", kl_loss_coef=0.1)], ids=["grpo", "ppo+kl"])
-def test_dp2_trains_like_dp1_on_the_same_global_batch(ray_local, tiny_model_dir, tmp_path, algorithm):
+def test_dp2_trains_like_dp1_on_the_same_global_batch(ray_local_3cpus, tiny_model_dir, tmp_path, algorithm):
     batches = [random_samples(10, seed=s) for s in (1, 2)]
     single, group = _trainer(tiny_model_dir, 1, algorithm), _trainer(tiny_model_dir, 2, algorithm)
     try:
@@ -79,7 +73,7 @@ def test_dp2_trains_like_dp1_on_the_same_global_batch(ray_local, tiny_model_dir,
         kill_trainer(group)
 
 
-def test_dp2_run_syncs_engines_checkpoints_and_resumes_at_dp1(ray_local, tmp_path, tiny_model_dir):
+def test_dp2_run_syncs_engines_checkpoints_and_resumes_at_dp1(ray_local_3cpus, tmp_path, tiny_model_dir):
     train, _ = write_arithmetic_task(build_config({}).data.builtin, tmp_path / "data")
 
     def spec(dp: int, num_steps: int) -> TrainSpec:

@@ -1,7 +1,6 @@
 """Periodic evaluation during training, on the rollout engines and on dedicated engines."""
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file
 
@@ -12,12 +11,6 @@ from miles_core.evaluation import evaluate_all
 
 KEY = "eval/periodic/heldout/pass_at_1"
 
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def run(tmp_path, tiny_model_dir, name, overrides):
@@ -44,7 +37,7 @@ def final_export_score(cfg, heldout, result):
      "algorithm.correction.kind=tis"],
 ], ids=["rollout-engines-sync", "dedicated-engines-async"])
 def test_periodic_eval_scores_the_step_weights_and_is_durable_with_its_checkpoint(
-        ray_local, tmp_path, warm_tiny, overrides):
+        ray_local_3cpus, tmp_path, warm_tiny, overrides):
     # A model that already scores (a random one scores 0.0 with any weights): the weights move
     # each step, so equal scores mean the eval saw this step's weights.
     cfg, heldout, result, events = run(tmp_path, warm_tiny["warm"], "run", overrides)
@@ -59,7 +52,7 @@ def test_periodic_eval_scores_the_step_weights_and_is_durable_with_its_checkpoin
     assert any(not torch.equal(exported[k], initial[k]) for k in initial)
 
 
-def test_no_eval_path_means_no_periodic_eval(ray_local, tmp_path, tiny_model_dir):
+def test_no_eval_path_means_no_periodic_eval(ray_local_3cpus, tmp_path, tiny_model_dir):
     train, _ = write_arithmetic_task(build_config({}).data.builtin, tmp_path / "data")
     cfg = build_config({}, ["training.num_steps=2", "eval.interval_steps=1", "rollout.num_prompts_per_step=4",
                             "rollout.num_samples_per_prompt=2", "training.num_threads=1"])

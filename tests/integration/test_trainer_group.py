@@ -28,13 +28,6 @@ GROUP_TOL = 1e-4
 ON_POLICY_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    # 2 trainer ranks (1 CPU each) + 1 engine; the direct group tests reuse the same CPUs
-    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
-
 
 def _training(tp: int) -> TrainingConfig:
     return TrainingConfig(backend="megatron", megatron={"tensor_parallel_size": tp}, micro_batch_size=4, num_threads=1)
@@ -47,7 +40,7 @@ def _group(trainer_type: type, model_dir) -> object:
     return group
 
 
-def test_tp2_group_logprobs_equal_one_tp1_trainer(ray_local, tiny_model_dir):
+def test_tp2_group_logprobs_equal_one_tp1_trainer(ray_local_3cpus, tiny_model_dir):
     samples = random_samples(6, seed=3)
     single = ray.remote(num_cpus=1)(MegatronTrainer).remote(str(tiny_model_dir), _training(1),
                                                            AlgorithmConfig(name="grpo"), group_size=2)
@@ -74,7 +67,7 @@ class _Rank1Fails(MegatronTrainer):
         dist.barrier()  # rank 0 waits in a collective rank 1 never joins
 
 
-def test_a_failing_rank_raises_instead_of_hanging(ray_local, tiny_model_dir):
+def test_a_failing_rank_raises_instead_of_hanging(ray_local_3cpus, tiny_model_dir):
     group = _group(_Rank1Fails, tiny_model_dir)
     try:
         started = time.perf_counter()
@@ -105,7 +98,7 @@ def _spec(tmp_path, model_dir, tp: int, num_steps: int, extra: tuple[str, ...] =
                      run_dir=str(tmp_path / "run"))
 
 
-def test_tp2_run_checkpoints_syncs_engines_and_resumes_at_tp1(ray_local, tmp_path, tiny_model_dir):
+def test_tp2_run_checkpoints_syncs_engines_and_resumes_at_tp1(ray_local_3cpus, tmp_path, tiny_model_dir):
     first = run_training(_spec(tmp_path, tiny_model_dir, tp=2, num_steps=3))
     assert first.steps == 3 and first.resumed_from_step is None
     # sync loop: each step's rollouts come from the weights the group just pushed (and
@@ -131,7 +124,7 @@ def test_tp2_run_checkpoints_syncs_engines_and_resumes_at_tp1(ray_local, tmp_pat
     assert state["step"] == 4 and state["weight_version"] == 4
 
 
-def test_ep2_moe_run_with_routing_replay_syncs_engines_on_policy(ray_local, tmp_path, tiny_moe_model_dir):
+def test_ep2_moe_run_with_routing_replay_syncs_engines_on_policy(ray_local_3cpus, tmp_path, tiny_moe_model_dir):
     # each rank holds 2 of the 4 experts; 16 rollouts in micro-batches of 6 deal 2 + 1 (+ a filler)
     spec = _spec(tmp_path, tiny_moe_model_dir, tp=1, num_steps=2,
                  extra=(f"model.source={tiny_moe_model_dir}", "training.megatron.expert_parallel_size=2",
@@ -150,7 +143,7 @@ def test_ep2_moe_run_with_routing_replay_syncs_engines_on_policy(ray_local, tmp_
     assert any(not torch.equal(exported[k], initial[k]) for k in experts)  # experts of both ranks trained
 
 
-def test_dense_dp2_run_syncs_engines_on_policy_and_resumes_at_dp1(ray_local, tmp_path, tiny_model_dir):
+def test_dense_dp2_run_syncs_engines_on_policy_and_resumes_at_dp1(ray_local_3cpus, tmp_path, tiny_model_dir):
     # two full replicas of the dense model, each training half of every batch's micro-batches
     dp2 = run_training(_spec(tmp_path, tiny_model_dir, tp=1, num_steps=2,
                              extra=("training.data_parallel_size=2", "training.cpus_per_trainer=2")))
