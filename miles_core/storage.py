@@ -28,15 +28,22 @@ def filesystem(uri: str, timeout_seconds: float | None = None) -> tuple[fsspec.A
     by arguments, and the endpoint/credentials come from the environment at creation)."""
     if timeout_seconds is None or not uri.startswith(("s3://", "s3a://")):
         return fsspec.core.url_to_fs(uri)
-    fs, path = fsspec.core.url_to_fs(uri, config_kwargs=s3_request_config(timeout_seconds), skip_instance_cache=True)
-    fs.retries = 1  # s3fs's own retry loop on top of botocore's: off (see S3_REQUEST_ATTEMPTS)
-    return fs, path
+    fs, path = fsspec.core.url_to_fs(uri, **s3_settings(timeout_seconds))
+    return bounded_retries(fs), path
 
 
-def s3_request_config(timeout_seconds: float) -> dict:
-    """botocore settings: connect/read timeouts and bounded retries for each S3 request."""
-    return {"connect_timeout": timeout_seconds, "read_timeout": timeout_seconds,
-            "retries": {"max_attempts": S3_REQUEST_ATTEMPTS, "mode": "standard"}}
+def s3_settings(timeout_seconds: float) -> dict:
+    """s3fs constructor settings: botocore connect/read timeouts and bounded retries for each
+    request, on an instance of its own."""
+    return {"config_kwargs": {"connect_timeout": timeout_seconds, "read_timeout": timeout_seconds,
+                              "retries": {"max_attempts": S3_REQUEST_ATTEMPTS, "mode": "standard"}},
+            "skip_instance_cache": True}
+
+
+def bounded_retries(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """s3fs's own retry loop on top of botocore's: off (see S3_REQUEST_ATTEMPTS)."""
+    fs.retries = 1
+    return fs
 
 
 def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:

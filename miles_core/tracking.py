@@ -107,9 +107,10 @@ def start_or_attach_run(cfg: RunConfig, run_key: str, tags: dict[str, str]) -> t
 
 def recent_run_keys(cfg: RunConfig, limit: int = 5) -> list[str]:
     """The run keys of the experiment's latest runs, newest first (for error messages)."""
-    if not _has_store(tracking_uri(cfg)):
+    uri = tracking_uri(cfg)
+    if not _has_store(uri):
         return []
-    client = client_for(tracking_uri(cfg))
+    client = client_for(uri)
     experiment = client.get_experiment_by_name(cfg.tracking.experiment_name)
     if experiment is None:
         return []

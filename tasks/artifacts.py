@@ -38,10 +38,9 @@ def result_block(cfg: RunConfig) -> LocalFileSystem | RemoteFileSystem:
         return LocalFileSystem(basepath=base.removeprefix("file://"))
     if not base.startswith("s3"):
         return RemoteFileSystem(basepath=base)
-    # s3fs hands config_kwargs to botocore: a hung store fails the request instead of the run
-    timeouts = storage.s3_request_config(cfg.checkpoint.upload_timeout_seconds)
-    block = RemoteFileSystem(basepath=base, settings={"config_kwargs": timeouts, "skip_instance_cache": True})
-    block.filesystem.retries = 1  # s3fs's retry loop on top of botocore's: off, as storage.filesystem does
+    # a hung store fails the request instead of the run, as every other store call
+    block = RemoteFileSystem(basepath=base, settings=storage.s3_settings(cfg.checkpoint.upload_timeout_seconds))
+    storage.bounded_retries(block.filesystem)
     return block
 
 

@@ -21,6 +21,7 @@ from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.data import Sample
 from miles_core.training.batches import Batch, select_rows
+from miles_core.training.data_parallel import sum_metrics_over_ranks, sum_over_ranks
 
 
 class Trainer(Protocol):
@@ -75,12 +76,8 @@ class RLTrainerCore:
         """This data-parallel rank's (rows, micro-batch) pairs (miles_core.training.data_parallel)."""
         raise NotImplementedError
 
-    def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The tensor summed over data-parallel ranks."""
-        raise NotImplementedError
-
-    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        """Per-rank metric sums added up over data-parallel ranks."""
+    def _dp_group(self):
+        """The data-parallel process group (None: the default group)."""
         raise NotImplementedError
 
     def _sync_and_clip(self, *modules: torch.nn.Module) -> torch.Tensor:
@@ -124,7 +121,7 @@ class RLTrainerCore:
             out = torch.zeros_like(batch["mask"])
             for rows, mb in self._my_micro_batches(batch):
                 out[rows] = scorer(mb)[: rows.stop - rows.start].to(out.dtype)
-            batch[key] = self._dp_sum(out)
+            batch[key] = sum_over_ranks(out, self._dp_group())
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
@@ -188,7 +185,7 @@ class RLTrainerCore:
                 self._backward(loss)
             for key, value in parts.items():
                 sums[key] = sums.get(key, 0.0) + value
-        sums = self._reduce_metrics(sums)
+        sums = sum_metrics_over_ranks(sums, self._dp_group())
         if train_policy:
             sums["train/grad_norm"] = float(self._sync_and_clip(self.model))
             self.optimizer.step()
@@ -222,4 +219,4 @@ class RLTrainerCore:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return self._reduce_metrics({"loss": total})["loss"]
+        return sum_metrics_over_ranks({"loss": total}, self._dp_group())["loss"]

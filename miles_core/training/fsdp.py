@@ -21,7 +21,7 @@ from miles_core.net import free_port, init_custom_process_group, rendezvous_endp
 from miles_core.training import state_io
 from miles_core.training.batches import pad_batch
 from miles_core.training.core import RLTrainerCore
-from miles_core.training.data_parallel import rank_micro_batches, sum_metrics_over_ranks, sum_over_ranks
+from miles_core.training.data_parallel import rank_micro_batches
 from miles_core.training.logprobs import next_token_logprobs
 from miles_core.weight_layout import checkpoint_layout, weights_sha256
 
@@ -149,11 +149,8 @@ class FSDPTrainer(RLTrainerCore):
         return rank_micro_batches(batch, self.training.micro_batch_size, self.rank, self.world,
                                   equal_shapes=self.world > 1)
 
-    def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return sum_over_ranks(tensor)
-
-    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        return sum_metrics_over_ranks(sums)
+    def _dp_group(self):
+        return None  # every rank of the default group is a data-parallel rank
 
     def _sync_and_clip(self, *modules: torch.nn.Module) -> torch.Tensor:
         """FSDP2 reduced the gradients in backward; the norm of DTensor gradients is global."""

@@ -30,7 +30,7 @@ from miles_core.data import Sample
 from miles_core.training import state_io
 from miles_core.training.batches import pad_batch
 from miles_core.training.core import RLTrainerCore
-from miles_core.training.data_parallel import rank_micro_batches, sum_metrics_over_ranks, sum_over_ranks
+from miles_core.training.data_parallel import rank_micro_batches
 from miles_core.training.logprobs import next_token_logprobs
 from miles_core.training.megatron import mapping, state
 from miles_core.training.megatron.convert import (
@@ -200,7 +200,7 @@ class MegatronTrainer(RLTrainerCore):
     def _rl_batch(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
         """pad_batch on the device, plus the engine's experts when routing replay is on (kept on
         CPU: one micro-batch's layers at a time go to the device, see routing_replay.py)."""
-        batch = self._device(pad_batch(samples, self.tokenizer.pad_token_id))
+        batch = self._batch(samples)
         if self.opts.routing_replay:
             batch["routed_experts"] = routing_targets(samples, batch["tokens"].shape[1], self.shape.num_layers,
                                                       self.hf_config.num_experts_per_tok, self.shape.num_experts)
@@ -230,8 +230,8 @@ class MegatronTrainer(RLTrainerCore):
         return rank_micro_batches(batch, self.training.micro_batch_size, self.dp_rank, self.dp,
                                   equal_shapes=self.opts.ep > 1)
 
-    def _dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return sum_over_ranks(tensor, self.ps.get_data_parallel_group())
+    def _dp_group(self):
+        return self.ps.get_data_parallel_group()
 
     # ---- RLTrainerCore hooks: gradients and metrics across ranks -----------------------------------
     def _sync_and_clip(self, *modules: torch.nn.Module) -> torch.Tensor:
@@ -249,9 +249,6 @@ class MegatronTrainer(RLTrainerCore):
             if p.grad is not None and self.tp > 1 and ("q_layernorm" in name or "k_layernorm" in name):
                 dist.all_reduce(p.grad, group=self.ps.get_tensor_model_parallel_group())
         return clip_grad_norm([p for _, p in named], self.training.grad_clip)
-
-    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        return sum_metrics_over_ranks(sums, self.ps.get_data_parallel_group())
 
     def _critic_modules(self) -> tuple[torch.nn.Module, ...]:
         return self.critic, self.value_head
