@@ -23,10 +23,9 @@ from pydantic import BaseModel, ConfigDict
 from miles_core import checkpoint as ckpt
 from miles_core import tracking, uploads
 from miles_core.config import RunConfig
-from miles_core.evaluation import HELDOUT
+from miles_core.evaluation import HELDOUT, metric_key
 from miles_core.loop import run_loop
 from miles_core.periodic_eval import PHASE
-from miles_core.reports import metric_key
 from miles_core.run import LoopState, MetricsFn, RunHooks, TrainingRun
 from miles_core.storage import write_json_atomic
 

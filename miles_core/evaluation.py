@@ -219,3 +219,30 @@ def run_external_eval(command: str, model_dir: str, output_json_path: str,
     metrics["pass@1"] = float(metrics["pass@1"])
     metrics.setdefault("examples", [])
     return metrics
+
+
+# ---- metric names (MLflow keys) --------------------------------------------------------------
+METRIC_PREFIXES = ("pass@", "avg@")
+Results = dict[str, dict[str, Any]]
+
+
+def by_dataset(results: dict[str, Any] | None) -> Results:
+    """Accept {name: result} or one bare result (e.g. evaluate_greedy's) as the held-out set."""
+    if not results:
+        return {}
+    return {HELDOUT: results} if "pass@1" in results else dict(results)
+
+
+def result_metrics(result: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in result.items()
+            if k.startswith(METRIC_PREFIXES) and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def metric_key(phase: str, dataset: str, metric: str) -> str:
+    """MLflow metric names cannot contain '@': eval/<phase>/<dataset>/pass_at_k."""
+    return f"eval/{phase}/{dataset}/{metric.replace('@', '_at_')}"
+
+
+def eval_metrics(phase: str, results: dict | None) -> dict[str, float]:
+    """{eval/<phase>/<dataset>/pass_at_k: value} for every pass@k / avg@n of every dataset."""
+    return {metric_key(phase, name, m): v for name, r in by_dataset(results).items() for m, v in result_metrics(r).items()}

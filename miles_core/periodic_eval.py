@@ -26,8 +26,7 @@ import ray
 from miles_core import evaluation
 from miles_core.config import RunConfig
 from miles_core.config.rollout import DiskTransport, ObjectStoreTransport
-from miles_core.evaluation import EngineGroupEval
-from miles_core.reports import eval_metrics
+from miles_core.evaluation import EngineGroupEval, eval_metrics
 from miles_core.rollout.engine_group import EngineGroup
 from miles_core.weights import make_transport
 

@@ -11,25 +11,11 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from miles_core.evaluation import HELDOUT
+from miles_core.evaluation import HELDOUT, by_dataset, eval_metrics, result_metrics
 from miles_core.tracking import client_for
 
-METRIC_PREFIXES = ("pass@", "avg@")
 REPORT_ARTIFACT = "eval/report.json"
 MAX_SAMPLES_PER_DATASET = 8
-Results = dict[str, dict[str, Any]]
-
-
-def by_dataset(results: dict[str, Any] | None) -> Results:
-    """Accept {name: result} or one bare result (e.g. evaluate_greedy's) as the held-out set."""
-    if not results:
-        return {}
-    return {HELDOUT: results} if "pass@1" in results else dict(results)
-
-
-def _metrics(result: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in result.items()
-            if k.startswith(METRIC_PREFIXES) and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _metric_order(metric: str) -> tuple:
@@ -47,7 +33,7 @@ def eval_report(before: dict | None, after: dict | None) -> dict[str, Any]:
     before, after = by_dataset(before), by_dataset(after)
     rows = []
     for name in sorted(set(before) | set(after), key=lambda n: (n != HELDOUT, n)):
-        old, new = _metrics(before.get(name, {})), _metrics(after.get(name, {}))
+        old, new = result_metrics(before.get(name, {})), result_metrics(after.get(name, {}))
         for metric in sorted(set(old) | set(new), key=_metric_order):
             b, a = old.get(metric), new.get(metric)
             delta = None if a is None or b is None else a - b
@@ -109,11 +95,6 @@ def sample_rollouts(results: dict | None, per_dataset: int = MAX_SAMPLES_PER_DAT
     return rows
 
 
-def eval_metrics(phase: str, results: dict | None) -> dict[str, float]:
-    """{eval/<phase>/<dataset>/pass_at_k: value} for every pass@k / avg@n of every dataset."""
-    return {metric_key(phase, name, m): v for name, r in by_dataset(results).items() for m, v in _metrics(r).items()}
-
-
 def periodic_points(evals: list[dict[str, float]], phase: str = "periodic") -> dict[str, list[tuple[int, float]]]:
     """{dataset: [(step, pass@1)]} from periodic eval rows {"step": s, metric_key(...): value}."""
     points: dict[str, list[tuple[int, float]]] = {}
@@ -123,11 +104,6 @@ def periodic_points(evals: list[dict[str, float]], phase: str = "periodic") -> d
             if key.startswith(prefix) and key.endswith(suffix):
                 points.setdefault(key[len(prefix):-len(suffix)], []).append((int(row["step"]), float(value)))
     return points
-
-
-def metric_key(phase: str, dataset: str, metric: str) -> str:
-    """MLflow metric names cannot contain '@': eval/<phase>/<dataset>/pass_at_k."""
-    return f"eval/{phase}/{dataset}/{metric.replace('@', '_at_')}"
 
 
 def log_eval_metrics(tracking_uri: str, run_id: str, phase: str, results: dict | None, step: int) -> dict[str, float]:

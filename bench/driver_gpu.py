@@ -1,0 +1,84 @@
+"""The RL driver loop with Ray on one GPU: the trainer actor and the embedded engine actor share
+the GPU through fractional GPU bundles, exactly as `miles run` places them (TrainingRun, the
+loop, the weight transport), on a random Qwen3 of the 0.6B shape or the tiny model.
+
+    python bench/driver_gpu.py --model qwen3-0.6b-shape --steps 4
+
+Prints one JSON line: the step-time breakdown (rollout, train, weight sync) per step and the
+median over the steps after the first (the first compiles and warms caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import log, median, prepare_data, prepare_model, rounded, setup_env
+
+BREAKDOWN = ("time/step_seconds", "time/rollout_seconds", "time/rollout_wait_seconds", "time/train_seconds",
+             "weights/sync_seconds", "rollout/tokens_per_second", "train/tokens_per_second",
+             "rollout/reward_mean", "train/loss")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-0.6b-shape", choices=["tiny", "qwen3-0.6b-shape"])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--micro-batch", type=int, default=64)
+    parser.add_argument("--transport", default="object_store", choices=["object_store", "broadcast", "disk"])
+    parser.add_argument("--work-dir", default=None)
+    args = parser.parse_args()
+    setup_env()
+    import ray
+    import torch
+    from _common import local_config
+
+    from miles_core.loop import run_loop
+    from miles_core.run import TrainingRun
+
+    gpu = torch.cuda.is_available()  # without one (a dry run on a CPU machine) the same layout, CPU only
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="driver-gpu-"))
+    model_dir, train_path = prepare_model(args.model, work), prepare_data(work)
+    cfg = local_config([
+        f"training.num_steps={args.steps}", f"training.micro_batch_size={args.micro_batch}",
+        f"training.gpus_per_trainer={0.5 if gpu else 0}", "training.cpus_per_trainer=4", "training.num_threads=4",
+        f"rollout.gpus_per_engine={0.4 if gpu else 0}", "rollout.cpus_per_engine=4",
+        f"model.dtype={'bfloat16' if gpu else 'float32'}",
+        f"rollout.num_prompts_per_step={args.prompts}", f"rollout.num_samples_per_prompt={args.samples}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.weight_transport={args.transport}",
+        f"checkpoint.interval_steps={args.steps}", "rollout.request_timeout_seconds=900",
+    ])
+    ray.init(num_cpus=12, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=True)
+    log(f"ray up: {ray.cluster_resources()}")
+    opened = time.perf_counter()
+    run = TrainingRun.open(cfg, work / "run", str(model_dir), str(train_path))
+    try:
+        open_seconds = time.perf_counter() - opened
+        log(f"trainer and engine actors up on the GPU in {open_seconds:.1f} s")
+        state, _ = run.resume()
+        state = run_loop(run, state)
+    finally:
+        run.close()
+        ray.shutdown()
+    steps = [{k: row[k] for k in BREAKDOWN if k in row} for row in state.history]
+    for i, row in enumerate(steps, start=1):
+        log(f"step {i}: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
+    warm = steps[1:] or steps
+    print(json.dumps(rounded({
+        "bench": "driver_gpu", "model": args.model, "transport": args.transport, "gpu": torch.cuda.get_device_name() if gpu else None,
+        "prompts": args.prompts, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
+        "open_seconds": open_seconds, "steps": steps,
+        "median_after_first": {k: median(r[k] for r in warm if k in r) for k in BREAKDOWN},
+    })), flush=True)
+
+
+if __name__ == "__main__":
+    main()
