@@ -55,18 +55,15 @@ def _dp_rank(rank: int, world_size: int, model_dir: str) -> dict:
     return _step(model_dir, dp=world_size)
 
 
-def _cpu_rank(rank: int, world_size: int, model_dir: str) -> dict:
-    torch.cuda.is_available = lambda: False  # this spawned process trains on the CPU, gloo
-    return _step(model_dir)
-
-
-def test_trainer_runs_on_the_gpu_like_on_the_cpu(model_dir):
+def test_trainer_runs_on_the_gpu_like_on_the_cpu(model_dir, monkeypatch):
     from miles_core.training.megatron.launch import run_spawned
     from tests.support import max_abs_diff
 
     gpu = _step(model_dir)
     assert gpu["device"].startswith("cuda")
-    cpu = run_spawned(_cpu_rank, 1, model_dir)
+    with monkeypatch.context() as env:  # the spawned process sees no GPU: it trains on the CPU, gloo
+        env.setenv("CUDA_VISIBLE_DEVICES", "")
+        cpu = run_spawned(_dp_rank, 1, model_dir)
     assert cpu["device"] == "cpu"
     assert gpu["metrics"]["train/loss"] == pytest.approx(cpu["metrics"]["train/loss"], abs=TOL)
     assert gpu["metrics"]["train/grad_norm"] == pytest.approx(cpu["metrics"]["train/grad_norm"], abs=TOL)
