@@ -21,8 +21,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import log, median, prepare_data, prepare_model, rounded, setup_env
 
 BREAKDOWN = ("time/step_seconds", "time/rollout_seconds", "time/rollout_wait_seconds", "time/train_seconds",
-             "weights/sync_seconds", "rollout/tokens_per_second", "train/tokens_per_second",
+             "weights/sync_seconds", "weights/shared_write_seconds", "weights/shared_load_seconds",
+             "rollout/tokens_per_second", "train/tokens_per_second",
              "rollout/reward_mean", "train/loss")
+
+
+def copy_floor_seconds(model_dir: Path, engine_dtype: str) -> float:
+    """One `torch._foreach_copy_` of the model's weights (float32, as the trainer holds them) into
+    tensors of the engine's dtype, on the device the run used: the floor a sync is measured against."""
+    import torch
+    from safetensors.torch import load_file
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    source = [t.to(device, torch.float32) for t in load_file(str(model_dir / "model.safetensors")).values()]
+    target = [torch.empty_like(t, dtype=getattr(torch, engine_dtype)) for t in source]
+    seconds = []
+    for _ in range(10):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        torch._foreach_copy_(target, source)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return median(seconds[2:])
 
 
 def main() -> None:
@@ -33,7 +55,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=64)
-    parser.add_argument("--transport", default="object_store", choices=["object_store", "broadcast", "disk"])
+    parser.add_argument("--transport", default="object_store", choices=["object_store", "shared_memory", "broadcast", "disk"])
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args()
     setup_env()
@@ -54,7 +76,7 @@ def main() -> None:
         f"model.dtype={'bfloat16' if gpu else 'float32'}",
         f"rollout.num_prompts_per_step={args.prompts}", f"rollout.num_samples_per_prompt={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.weight_transport={args.transport}",
-        f"checkpoint.interval_steps={args.steps}", "rollout.request_timeout_seconds=900",
+        f"checkpoint.interval_steps={args.steps}", "rollout.request_timeout_seconds=900", "placement.layout=colocated",
     ])
     ray.init(num_cpus=12, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=True)
     log(f"ray up: {ray.cluster_resources()}")
@@ -62,7 +84,7 @@ def main() -> None:
     run = TrainingRun.open(cfg, work / "run", str(model_dir), str(train_path))
     try:
         open_seconds = time.perf_counter() - opened
-        log(f"trainer and engine actors up on the GPU in {open_seconds:.1f} s")
+        log(f"trainer and engine actors up in {open_seconds:.1f} s")
         state, _ = run.resume()
         state = run_loop(run, state)
     finally:
@@ -72,10 +94,13 @@ def main() -> None:
     for i, row in enumerate(steps, start=1):
         log(f"step {i}: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
     warm = steps[1:] or steps
+    floor = copy_floor_seconds(model_dir, cfg.model.dtype)
+    sync = median(r["weights/sync_seconds"] for r in warm)
     print(json.dumps(rounded({
-        "bench": "driver_gpu", "model": args.model, "transport": args.transport, "gpu": torch.cuda.get_device_name() if gpu else None,
+        "bench": "driver_gpu", "model": args.model, "transport": args.transport,
+        "gpu": torch.cuda.get_device_name() if gpu else None,
         "prompts": args.prompts, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
-        "open_seconds": open_seconds, "steps": steps,
+        "open_seconds": open_seconds, "steps": steps, "copy_floor_seconds": floor, "sync_over_copy_floor": sync / floor,
         "median_after_first": {k: median(r[k] for r in warm if k in r) for k in BREAKDOWN},
     })), flush=True)
 

@@ -59,6 +59,37 @@ class ObjectStoreTransport:
         return {"weights/sync_seconds": time.perf_counter() - started}
 
 
+class SharedMemoryTransport:
+    """One buffer the trainer and colocated engines both map (miles_core.shared_weights): CUDA
+    IPC when they share a GPU, /dev/shm on CPU. A sync is a cast-copy into the buffer and a
+    copy out of it per engine; nothing is serialized. The buffer is laid out again whenever the
+    set of engines changes (a restarted engine maps the new one)."""
+
+    def __init__(self, engine_dtype: str = "float32", verify: bool = False, **_: Any):
+        self.engine_dtype, self.verify = engine_dtype, verify
+        self.members: tuple[str, ...] = ()
+
+    def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
+        import ray
+
+        started = time.perf_counter()
+        urls = tuple(url for _, url in targets)
+        if urls != self.members:
+            handle = ray.get(trainer.share_weights.remote(self.engine_dtype))
+            _check(ray.get([actor.map_shared_weights.remote(handle) for actor, _ in targets]), version)
+            ray.get(trainer.unlink_shared_weights.remote())
+            self.members = urls
+        else:
+            ray.get(trainer.write_shared_weights.remote())
+        written = time.perf_counter()
+        _check(ray.get([actor.load_shared_weights.remote(str(version)) for actor, _ in targets]), version)
+        done = time.perf_counter()
+        if self.verify:
+            _verify(trainer, targets, version)
+        return {"weights/sync_seconds": done - started, "weights/shared_write_seconds": written - started,
+                "weights/shared_load_seconds": done - written}
+
+
 class DiskTransport:
     """The trainer writes an HF safetensors directory; engines load it (`update_weights_from_disk`).
     Needs a filesystem both sides see; keeps only the newest version on disk."""
@@ -143,12 +174,14 @@ def broadcast_rank_layout(num_engines: int, ranks_per_engine: int) -> tuple[list
 
 
 def make_transport(config: TransportConfig, sync_dir: str | Path, verify: bool, ranks_per_engine: int = 1,
-                   api_key: str | None = None) -> WeightTransport:
+                   api_key: str | None = None, engine_dtype: str = "float32") -> WeightTransport:
     """The transport that a `rollout.weight_transport` config names; disk syncs write under
-    sync_dir, broadcast groups give each engine ranks_per_engine ranks, and api_key is the
-    engines' (EngineGroup.api_key)."""
+    sync_dir, broadcast groups give each engine ranks_per_engine ranks, api_key is the
+    engines' (EngineGroup.api_key), and a shared buffer holds weights in engine_dtype."""
     if config.kind == "object_store":
         return ObjectStoreTransport(verify=verify)
+    if config.kind == "shared_memory":
+        return SharedMemoryTransport(engine_dtype, verify=verify)
     if config.kind == "disk":
         return DiskTransport(str(sync_dir), verify=verify, api_key=api_key)
     if config.kind == "broadcast":

@@ -60,6 +60,13 @@ class ObjectStoreTransport(Section):
     kind: Literal["object_store"] = "object_store"
 
 
+class SharedMemoryTransport(Section):
+    """One weight buffer the trainer and the engines map: CUDA IPC on a GPU they share
+    (placement.layout=colocated), /dev/shm on one CPU machine. Embedded engines only."""
+
+    kind: Literal["shared_memory"] = "shared_memory"
+
+
 class BroadcastTransport(Section):
     """A torch.distributed broadcast from the trainer (gloo on CPU, NCCL on GPU), bucketed."""
 
@@ -99,7 +106,7 @@ class FullyAsyncLoop(Section):
 
 
 EngineConfig = variants(EmbeddedEngine, SGLangEngine)
-TransportConfig = variants(ObjectStoreTransport, BroadcastTransport, DiskTransport)
+TransportConfig = variants(ObjectStoreTransport, SharedMemoryTransport, BroadcastTransport, DiskTransport)
 LoopConfig = variants(SyncLoop, OneStepOffLoop, FullyAsyncLoop)
 
 
@@ -122,6 +129,7 @@ class RolloutConfig(Section):
     """Reward function: a registered name (exact_match, math, math_boxed, dapo) or `module:function`."""
     weight_transport: TransportConfig = ObjectStoreTransport()
     """How weights reach the engines after each step: `object_store` (Ray's, same node),
+    `shared_memory` (one buffer mapped by trainer and engines: same GPU or same machine),
     `broadcast` (torch.distributed from the trainer) or `disk` (a shared HF directory)."""
     verify_weight_sync: bool = False
     """After each sync, compare a sha256 of engine and trainer weights (slow on big models)."""

@@ -440,9 +440,11 @@ class RunConfig(Section):
 
     def _engines_fit(self) -> None:
         r = self.rollout
-        if r.engine.kind == "sglang" and r.weight_transport.kind == "object_store":
-            raise ValueError("SGLang engines run in their own process: set rollout.weight_transport=broadcast "
-                             "(or disk)")
+        if r.engine.kind == "sglang" and r.weight_transport.kind in ("object_store", "shared_memory"):
+            raise ValueError(f"SGLang engines run in their own process, which the {r.weight_transport.kind} "
+                             "transport cannot reach: set rollout.weight_transport=broadcast (or disk)")
+        if r.weight_transport.kind == "shared_memory":
+            self._shares_memory()
         if r.engine.kind == "sglang" and r.engine.is_sglang and r.gpus_per_engine < 1:
             raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1")
         if r.engine.kind == "sglang" and r.verify_weight_sync:
@@ -451,6 +453,18 @@ class RunConfig(Section):
         if self.training.backend == "megatron" and r.weight_transport.kind == "broadcast":
             raise ValueError("the Megatron trainer has no broadcast sender yet: set rollout.weight_transport=disk "
                              "(a filesystem trainer and engines share) or object_store (embedded engines)")
+
+    def _shares_memory(self) -> None:
+        r, t = self.rollout, self.training
+        if (t.gpus_per_trainer > 0) != (r.gpus_per_engine > 0):
+            raise ValueError("rollout.weight_transport=shared_memory maps one buffer on one device: give the "
+                             "trainer and the engines GPUs (training.gpus_per_trainer, rollout.gpus_per_engine) "
+                             "or neither")
+        if r.gpus_per_engine > 0 and (self.placement.layout != "colocated" or t.world_size > 1
+                                      or t.gpus_per_trainer + r.num_engines * r.gpus_per_engine > 1):
+            raise ValueError("rollout.weight_transport=shared_memory on GPUs needs the trainer (one rank) and the "
+                             "engines on one GPU: placement.layout=colocated and training.gpus_per_trainer + "
+                             "rollout.num_engines * rollout.gpus_per_engine <= 1; use broadcast otherwise")
 
     def _teacher_fits(self) -> None:
         source = self.algorithm.teacher_source

@@ -81,6 +81,13 @@ class EngineActor:
         """Same-node path: tensors arrive through Ray's object store."""
         return self.engine.update_weights_from_tensors(named_tensors, weight_version)
 
+    def map_shared_weights(self, handle: Any) -> dict:
+        """Same-GPU (or same-machine) path: map the trainer's shared weight buffer."""
+        return self.engine.map_shared_weights(handle)
+
+    def load_shared_weights(self, weight_version: str) -> dict:
+        return self.engine.load_shared_weights(weight_version)
+
     def weights_sha256(self) -> str:
         return self.engine.weights_sha256()
 

@@ -203,8 +203,8 @@ class EngineService:
         if wrong:
             return weight_result(False, f"shape mismatch for {wrong[:5]}")
         with torch.no_grad():
-            for name, tensor in tensors.items():
-                state[name].copy_(tensor)
+            names = list(tensors)
+            torch._foreach_copy_([state[n] for n in names], [tensors[n] for n in names])
         if weight_version is not None:
             self.engine.weight_version = str(weight_version)
         self.stale_cache_version = None if flush_cache else self.engine.weight_version

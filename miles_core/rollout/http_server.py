@@ -31,6 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from miles_core.rollout.engine import EmbeddedEngine
 from miles_core.rollout.engine_service import EngineService, weight_result
 from miles_core.rollout.sglang_args import SERVER_ARGS
+from miles_core.shared_weights import BufferHandle, SharedWeights
 
 logger = logging.getLogger(__name__)
 SERVER_VERSION = "miles-embedded-1"
@@ -226,6 +227,7 @@ class ServerHandle:
         self.service, self._server, self._thread = service, server, thread
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}"
+        self.shared: SharedWeights | None = None
 
     @property
     def engine(self) -> EmbeddedEngine | None:
@@ -245,6 +247,18 @@ class ServerHandle:
         a generation in progress finishes on the old weights."""
         with self.service.lock:
             return self.service.load_tensors(named_tensors, weight_version, checkpoint_names_only=False)
+
+    def map_shared_weights(self, handle: BufferHandle) -> dict:
+        """Map the trainer's shared weight buffer (the shared-memory transport)."""
+        self.shared = SharedWeights.open(handle)
+        return weight_result(True, f"mapped {len(self.shared.views)} shared tensors")
+
+    def load_shared_weights(self, weight_version: str) -> dict:
+        """Copy the mapped buffer into the model, under the engine lock like any update."""
+        if self.shared is None:
+            return weight_result(False, "no shared weight buffer mapped; call map_shared_weights first")
+        with self.service.lock:
+            return self.service.load_tensors(self.shared.views, weight_version, checkpoint_names_only=False)
 
     def weights_sha256(self) -> str:
         return self.service.weights_sha256()

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from miles_core.shared_weights import BufferHandle
+
 
 class RolloutEngine(Protocol):
     @property
@@ -25,6 +27,14 @@ class RolloutEngine(Protocol):
     def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:
         """Load HF-named tensors handed over in-process (the object-store transport); answers
         {"success", "message"} like SGLang's weight-update endpoints."""
+        ...
+
+    def map_shared_weights(self, handle: BufferHandle) -> dict:
+        """Map the trainer's shared weight buffer (miles_core.shared_weights) for later loads."""
+        ...
+
+    def load_shared_weights(self, weight_version: str) -> dict:
+        """Copy the mapped buffer into the served weights, stamped weight_version."""
         ...
 
     def weights_sha256(self) -> str:

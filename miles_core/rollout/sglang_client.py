@@ -30,6 +30,8 @@ RETRY_STATUSES = {500, 502, 503, 504}
 # Sent with every weight update, whatever SGLang's defaults are: the prefix (radix) cache holds
 # KV computed with the old weights, and running requests finish rather than being aborted.
 WEIGHT_UPDATE_DEFAULTS = {"flush_cache": True, "abort_all_requests": False}
+IN_PROCESS_WEIGHTS_REFUSED = ("an SGLang engine runs in its own process: its weights move over HTTP "
+                              "(rollout.weight_transport=broadcast or disk)")
 
 
 class EngineError(InfrastructureError):
@@ -308,8 +310,13 @@ class SGLangLauncher:
         proc.wait(timeout=timeout)
 
     def update_weights_from_tensors(self, named_tensors: dict, weight_version: str) -> dict:
-        raise NotImplementedError("an SGLang engine runs in its own process: its weights move over HTTP "
-                                  "(rollout.weight_transport=broadcast or disk)")
+        raise NotImplementedError(IN_PROCESS_WEIGHTS_REFUSED)
+
+    def map_shared_weights(self, handle: Any) -> dict:
+        raise NotImplementedError(IN_PROCESS_WEIGHTS_REFUSED)
+
+    def load_shared_weights(self, weight_version: str) -> dict:
+        raise NotImplementedError(IN_PROCESS_WEIGHTS_REFUSED)
 
     def weights_sha256(self) -> str:
         raise NotImplementedError("SGLang has no endpoint for a digest of its weights: "

@@ -20,6 +20,7 @@ from miles_core import algorithms as algo
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.data import Sample
+from miles_core.shared_weights import BufferHandle, SharedWeights
 from miles_core.training.batches import Batch, select_rows
 from miles_core.training.data_parallel import sum_metrics_over_ranks, sum_over_ranks
 
@@ -36,6 +37,9 @@ class Trainer(Protocol):
     def save_state(self, out_dir: str | Path, extra: dict[str, Any]) -> None: ...
     def load_state(self, ckpt_dir: str | Path) -> dict[str, Any]: ...
     def close(self) -> None: ...
+    def share_weights(self, dtype: str) -> BufferHandle | None: ...
+    def write_shared_weights(self) -> None: ...
+    def unlink_shared_weights(self) -> None: ...
 
 
 class RLTrainerCore:
@@ -220,3 +224,31 @@ class RLTrainerCore:
         self.scheduler.step()
         self.step += 1
         return sum_metrics_over_ranks({"loss": total}, self._dp_group())["loss"]
+
+    # ---- shared-memory weight sync (miles_core.weights.SharedMemoryTransport) -----------------
+    _shared: SharedWeights | None = None
+
+    def share_weights(self, dtype: str) -> BufferHandle | None:
+        """Lay out a fresh buffer, holding the current weights in the engines' dtype, that
+        engines on this GPU (or, training on CPU, this machine) map; its handle on rank 0,
+        None on the others. A collective, like hf_state_dict."""
+        weights = self.hf_state_dict(to_cpu=False)
+        self.unlink_shared_weights()
+        self._shared = None
+        if not weights or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+            return None
+        self._shared = SharedWeights.create(weights, getattr(torch, dtype))
+        self._shared.write(weights)
+        return self._shared.handle
+
+    def write_shared_weights(self) -> None:
+        """Cast the current weights into the shared buffer. A collective."""
+        weights = self.hf_state_dict(to_cpu=False)
+        if self._shared is not None:
+            self._shared.write(weights)
+
+    def unlink_shared_weights(self) -> None:
+        """Remove a CPU buffer's /dev/shm file once every engine has mapped it: the mappings
+        stay valid, and a killed trainer leaves nothing behind."""
+        if self._shared is not None:
+            self._shared.close()

@@ -5,6 +5,7 @@ one rank on the same global batch, checkpoint for any DP size, and run the train
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import ray
@@ -76,24 +77,25 @@ def test_dp2_trains_like_dp1_on_the_same_global_batch(ray_local_3cpus, tiny_mode
 def test_dp2_run_syncs_engines_checkpoints_and_resumes_at_dp1(ray_local_3cpus, tmp_path, tiny_model_dir):
     train, _ = write_arithmetic_task(build_config({}).data.builtin, tmp_path / "data")
 
-    def spec(dp: int, num_steps: int) -> TrainSpec:
+    def spec(dp: int, num_steps: int, transport: str) -> TrainSpec:
         cfg = build_config({}, [f"training.data_parallel_size={dp}", f"training.cpus_per_trainer={dp}",
                                 f"training.num_steps={num_steps}", "checkpoint.interval_steps=2",
                                 "rollout.num_prompts_per_step=4", "rollout.num_samples_per_prompt=4",
-                                "rollout.verify_weight_sync=true", "rollout.weight_transport.kind=broadcast",
+                                "rollout.verify_weight_sync=true", f"rollout.weight_transport.kind={transport}",
                                 "training.num_threads=1", "training.micro_batch_size=6",
                                 "algorithm.entropy_coef=0.01"])
         return TrainSpec(config=cfg, model_dir=str(tiny_model_dir), train_path=str(train), run_dir=str(tmp_path / "run"))
 
-    first = run_training(spec(dp=2, num_steps=3))
+    first = run_training(spec(dp=2, num_steps=3, transport="shared_memory"))
     assert first.steps == 3
-    # each step's rollouts come from the weights rank 0 broadcast for the group (their sha256
-    # matched the trainer's), so the trainer and the engines score the same policy
+    assert not list(Path("/dev/shm").glob("miles-weights-*"))  # unlinked once the engine mapped it
+    # each step's rollouts come from the weights rank 0 shared (then broadcast) for the group (their
+    # sha256 matched the trainer's), so the trainer and the engines score the same policy
     assert max(h["rollout/train_logprob_abs_diff"] for h in first.history) <= ON_POLICY_TOL
     exported = load_file(f"{first.hf_export_dir}/model.safetensors")
     initial = load_file(f"{tiny_model_dir}/model.safetensors")
     assert any(not torch.equal(v, initial[k]) for k, v in exported.items())
-    more = run_training(spec(dp=1, num_steps=4))
+    more = run_training(spec(dp=1, num_steps=4, transport="broadcast"))
     assert more.resumed_from_step == 3 and [h["step"] for h in more.history] == [4]
     assert more.history[0]["rollout/train_logprob_abs_diff"] <= ON_POLICY_TOL
     state = json.loads(open(f"{more.final_checkpoint_dir}/trainer_state.json").read())

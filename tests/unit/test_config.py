@@ -62,6 +62,21 @@ def test_hf_source_shape_and_sglang_needs_gpu():
         build_config({"rollout": {"engine": "sglang", "weight_transport": "broadcast"}})
     with pytest.raises(ConfigError, match="weight_transport=broadcast"):
         build_config({"rollout": {"engine": "sglang", "gpus_per_engine": 1}})
+    with pytest.raises(ConfigError, match="shared_memory transport cannot reach"):
+        build_config({"rollout": {"engine": "sglang", "gpus_per_engine": 1, "weight_transport": "shared_memory"}})
+
+
+def test_shared_memory_transport_needs_trainer_and_engines_on_one_device():
+    shared = ["rollout.weight_transport=shared_memory"]
+    assert build_config({}, shared).rollout.weight_transport.kind == "shared_memory"  # CPU: one machine
+    with pytest.raises(ConfigError, match="GPUs .* or neither"):
+        build_config({}, shared + ["rollout.gpus_per_engine=0.4"])
+    one_gpu = shared + ["rollout.gpus_per_engine=0.4", "training.gpus_per_trainer=0.5"]
+    with pytest.raises(ConfigError, match="placement.layout=colocated"):
+        build_config({}, one_gpu)
+    assert build_config({}, one_gpu + ["placement.layout=colocated"]).placement.layout == "colocated"
+    with pytest.raises(ConfigError, match="on one GPU"):
+        build_config({}, one_gpu + ["placement.layout=colocated", "rollout.num_engines=2"])
 
 
 def test_sglang_server_args_and_sync_checks_fail_at_validation():

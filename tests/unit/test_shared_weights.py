@@ -1,0 +1,70 @@
+"""The shared weight buffer: another process maps what the trainer wrote, sees each later write,
+keeps its mapping after the file is unlinked; bad handles and renamed weights fail clearly."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from miles_core.shared_weights import ALIGN_ELEMENTS, SharedWeights
+from miles_core.training.megatron.launch import run_spawned
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(7, 5, generator=gen), "norm.weight": torch.randn(3, generator=gen),
+            "mlp.weight": torch.randn(4, 6, generator=gen)}
+
+
+def _read_in_another_process(rank: int, world_size: int, handle) -> dict[str, torch.Tensor]:
+    return {name: view.clone() for name, view in SharedWeights.open(handle).views.items()}
+
+
+def test_another_process_maps_the_weights_cast_to_the_engine_dtype():
+    weights = _weights(0)
+    shared = SharedWeights.create(weights, torch.bfloat16)
+    try:
+        assert all(e.offset % ALIGN_ELEMENTS == 0 for e in shared.handle.entries)
+        shared.write(weights)
+        seen = run_spawned(_read_in_another_process, 1, shared.handle)
+        assert seen.keys() == weights.keys()
+        for name, tensor in weights.items():
+            assert seen[name].dtype == torch.bfloat16
+            assert torch.equal(seen[name], tensor.to(torch.bfloat16)), name
+    finally:
+        shared.close()
+
+
+def test_a_mapping_sees_later_writes_and_outlives_the_file():
+    shared = SharedWeights.create(_weights(0), torch.float32)
+    engine = SharedWeights.open(shared.handle)
+    shared.close()  # what the transport does once every engine has mapped the buffer
+    newer = _weights(1)
+    shared.write(newer)
+    assert all(torch.equal(engine.views[n], newer[n]) for n in newer)
+    with pytest.raises(ValueError, match="no shared weight buffer"):
+        SharedWeights.open(shared.handle)
+
+
+def test_a_handle_outside_dev_shm_is_refused(tmp_path):
+    shared = SharedWeights.create(_weights(0), torch.float32)
+    try:
+        elsewhere = tmp_path / "miles-weights-x"
+        elsewhere.write_bytes(b"\0" * 4 * shared.handle.numel)
+        with pytest.raises(ValueError, match="no shared weight buffer"):
+            SharedWeights.open(replace(shared.handle, shm_path=str(elsewhere)))
+    finally:
+        shared.close()
+
+
+def test_weights_renamed_after_the_layout_fail_clearly():
+    shared = SharedWeights.create(_weights(0), torch.float32)
+    try:
+        renamed = _weights(0)
+        renamed["mlp.proj"] = renamed.pop("mlp.weight")
+        with pytest.raises(ValueError, match="changed names"):
+            shared.write(renamed)
+    finally:
+        shared.close()
