@@ -166,6 +166,8 @@ class Sample:
     """Per response token 1/0 (empty = train on every response token); multi-turn SFT masks."""
     weight_version: str = "0"
     finish_reason: str = "stop"
+    filtered: bool = False
+    """Dropped by rollout.sample_filter: it keeps its place in its group and trains on no token."""
     routed_experts: Any = None
     """MoE routing replay: the experts the engine routed each token to, an int32 array
     [len(prompt_ids) + len(response_ids) - 1, num_layers, top_k] (SGLang's layout; its flat

@@ -38,23 +38,41 @@ def collect_rollouts(cfg: RunConfig, manager: RolloutManager, source: PromptSour
     algorithm.short_batch decides: train on the shorter batch (a logged, metered decision) or fail."""
     n, wanted = cfg.rollout.num_samples_per_prompt, cfg.rollout.num_prompts_per_step
     if not cfg.algorithm.dynamic_sampling:
-        return manager.generate(source.next_batch(wanted), seed), {}
+        samples = manager.generate(source.next_batch(wanted), seed)
+        return _filter_groups(cfg, manager, samples)
     kept: list[Sample] = []
-    dropped, rounds = 0, 0
+    dropped, filtered, rounds = 0, 0, 0
     while len(kept) < wanted * n and rounds < cfg.algorithm.max_sampling_rounds:
         samples = manager.generate(source.next_batch(wanted), seed + rounds * 7919)
-        keep = algo.dynamic_sampling_keep(torch.tensor([s.reward for s in samples]), n)
-        for group, ok in enumerate(keep.tolist()):
-            if ok:
+        varied = algo.dynamic_sampling_keep(torch.tensor([s.reward for s in samples]), n).tolist()
+        for group, (ok, wanted_by_filter) in enumerate(zip(varied, manager.keep_groups(samples))):
+            if ok and wanted_by_filter:
                 kept.extend(samples[group * n : (group + 1) * n])
             dropped += not ok
+            filtered += ok and not wanted_by_filter
         rounds += 1
     kept_groups = min(len(kept) // n, wanted)
     if kept_groups < wanted:
         _short_batch(cfg, kept_groups, dropped, rounds)
     metrics = {"rollout/dropped_groups": float(dropped), "rollout/sampling_rounds": float(rounds),
                "rollout/kept_groups": float(kept_groups), "rollout/short_batch": float(kept_groups < wanted)}
+    if cfg.rollout.group_filter:
+        metrics["rollout/filtered_groups"] = float(filtered)
     return kept[: kept_groups * n], metrics
+
+
+def _filter_groups(cfg: RunConfig, manager: RolloutManager, samples: list[Sample]
+                   ) -> tuple[list[Sample], dict[str, float]]:
+    """rollout.group_filter's groups dropped (without dynamic sampling: no refill)."""
+    if not cfg.rollout.group_filter:
+        return samples, {}
+    n = cfg.rollout.num_samples_per_prompt
+    keep = manager.keep_groups(samples)
+    if not any(keep):
+        raise RuntimeError(f"rollout.group_filter dropped all {len(keep)} groups of the batch: nothing to train "
+                           "on; check the filter, or enable algorithm.dynamic_sampling to draw more prompts")
+    kept = [s for group, ok in enumerate(keep) if ok for s in samples[group * n : (group + 1) * n]]
+    return kept, {"rollout/filtered_groups": float(keep.count(False))}
 
 
 def _short_batch(cfg: RunConfig, kept_groups: int, dropped: int, rounds: int) -> None:
@@ -77,7 +95,8 @@ def rollout_metrics(cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
         "rollout/response_len_mean": statistics.fmean(len(s.response_ids) for s in samples),
         "rollout/truncated_frac": statistics.fmean(s.finish_reason == "length" for s in samples),
         "rollout/zero_std_group_frac": statistics.fmean(len(set(g)) == 1 for g in groups),
-    }
+    } | ({"rollout/filtered_sample_frac": statistics.fmean(s.filtered for s in samples)}
+         if cfg.rollout.sample_filter else {})
 
 
 def throughput(batch: RolloutBatch, train_seconds: float) -> dict[str, float]:
@@ -130,7 +149,8 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
     """Train from state to training.num_steps: one rollout batch, one update and one weight push
     per step, a checkpoint every checkpoint.interval_steps."""
     cfg, engines, evaluator = run.cfg, run.engines, run.evaluator
-    manager = RolloutManager(engines, cfg.rollout, cfg.rollout.reward, return_routed_experts=cfg.routing_replay)
+    manager = RolloutManager(engines, cfg.rollout, cfg.rollout.reward, return_routed_experts=cfg.routing_replay,
+                             tokenizer=run.tokenizer)
 
     def record_evals(wait: bool) -> None:
         for step, metrics in evaluator.collect(wait).items():

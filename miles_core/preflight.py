@@ -14,6 +14,7 @@ from pathlib import Path
 
 from miles_core.config import ConfigError, RunConfig
 from miles_core.data import row_problem
+from miles_core.plugins import load_optional
 from miles_core.rewards import get_reward
 
 REMOTE_TIMEOUT_SECONDS = 15.0
@@ -117,16 +118,19 @@ def _file_problems(field: str, path: Path, prompt_key: str, label_key: str, max_
 
 # ---- rewards and the store ------------------------------------------------------------------------
 def _reward_problems(cfg: RunConfig) -> Iterator[str]:
+    """Rewards and the other plugin points (miles_core.plugins): importable, right signature."""
     names = [("rollout.reward", cfg.rollout.reward),
              *[(f"eval.datasets[{d.name}].reward", d.reward) for d in cfg.eval.datasets if d.reward]]
     for field, name in names:
         try:
-            reward = get_reward(name)
-        except (ValueError, ImportError, AttributeError) as exc:
-            yield f"{field}: {exc}"
-            continue
-        if not callable(reward):
-            yield f"{field}: {name} is not a function"
+            get_reward(name, field)
+        except ValueError as exc:
+            yield str(exc)
+    for field in ("rollout.generate", "rollout.sample_filter", "rollout.group_filter"):
+        try:
+            load_optional(getattr(cfg.rollout, field.split(".")[1]), field)
+        except ValueError as exc:
+            yield str(exc)
 
 
 def _store_problems(cfg: RunConfig) -> Iterator[str]:

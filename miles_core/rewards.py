@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import re
 from collections.abc import Callable
+
+from miles_core.plugins import SIGNATURES, load_plugin
 
 RewardFn = Callable[[str, str], float]
 REWARDS: dict[str, RewardFn] = {}
@@ -135,11 +136,11 @@ def dapo(response: str, label: str) -> float:
     return 1.0 if found and dapo_normalize(found[-1]) == dapo_normalize(label) else -1.0
 
 
-def get_reward(name: str) -> RewardFn:
-    """A registered reward, or `package.module:function` for a user-supplied one."""
+def get_reward(name: str, field: str = "rollout.reward") -> RewardFn:
+    """A registered reward, or `package.module:function` for a user-supplied one (checked to take
+    (response, label)); errors name `field`."""
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
-        module, _, attr = name.partition(":")
-        return getattr(importlib.import_module(module), attr)
-    raise ValueError(f"unknown reward {name!r}; registered: {sorted(REWARDS)} or 'module:function'")
+        return load_plugin(name, field, SIGNATURES["rollout.reward"])
+    raise ValueError(f"{field}: unknown reward {name!r}; registered: {sorted(REWARDS)} or 'module:function'")

@@ -4,11 +4,12 @@ the kind alone: `loop: sync`), so a field of another variant cannot be set by mi
 
 from __future__ import annotations
 
+import re
 from functools import reduce
 from operator import or_
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator
 
 from miles_core.config.base import Section
 from miles_core.rollout.sglang_args import check_server_args
@@ -110,6 +111,40 @@ TransportConfig = variants(ObjectStoreTransport, SharedMemoryTransport, Broadcas
 LoopConfig = variants(SyncLoop, OneStepOffLoop, FullyAsyncLoop)
 
 
+def _plugin_path(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+        raise ValueError("expected 'package.module:function'")
+    return value
+
+
+def _reward_url(value: str) -> str:
+    if not re.fullmatch(r"https?://[^/@\s]+(/\S*)?", value):
+        raise ValueError("expected http(s)://host[:port]/path without credentials (a key goes in "
+                         "api_key_env)")
+    return value
+
+
+PluginPath = Annotated[str, AfterValidator(_plugin_path)]
+
+
+class RemoteReward(Section):
+    """A reward model behind HTTP: each rollout batch is POSTed as JSON {"prompts", "responses",
+    "labels", "metadata"} (one entry per sample) and must be answered {"rewards": [float, ...]}."""
+
+    url: Annotated[str, AfterValidator(_reward_url)]
+    """Endpoint, e.g. http://reward-model:8000/score (credentials go in api_key_env, not the URL)."""
+    api_key_env: str | None = None
+    """Environment variable holding a key sent as `Authorization: Bearer <key>`; never logged."""
+    timeout_seconds: float = Field(60.0, gt=0)
+    """One request's limit; a request that takes longer counts as a failed attempt."""
+    max_attempts: int = Field(3, ge=1)
+    """Attempts per request (timeouts, connection errors, 429 and 5xx are retried; other 4xx are not)."""
+    backoff_seconds: float = Field(1.0, ge=0)
+    """Wait before the second attempt, doubled after each failure."""
+    max_batch_size: int = Field(256, ge=1)
+    """Samples per request; a bigger batch is split into several requests."""
+
+
 class RolloutConfig(Section):
     engine: EngineConfig = EmbeddedEngine()
     """Rollout engine: `embedded` (transformers, runs anywhere) or `sglang` (GPU clusters)."""
@@ -126,7 +161,19 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
     reward: str = "exact_match"
-    """Reward function: a registered name (exact_match, math, math_boxed, dapo) or `module:function`."""
+    """Reward function: a registered name (exact_match, math, math_boxed, dapo) or `module:function`
+    taking (response_text, label) and returning a float."""
+    remote_reward: RemoteReward | None = None
+    """Score every batch with a reward model over HTTP instead of `reward`."""
+    generate: PluginPath | None = None
+    """Custom generation, `module:function` taking (ctx, prompt, sampling_params) and returning the
+    prompt's group: a list of num_samples_per_prompt Samples (multi-turn, tool calls, fan-out; see
+    the README). None: one engine call per sample."""
+    sample_filter: PluginPath | None = None
+    """`module:function` taking a scored Sample, False to drop it: a dropped sample keeps its place in
+    its group (group statistics stay intact) and trains on no token."""
+    group_filter: PluginPath | None = None
+    """`module:function` taking a group's scored Samples, False to drop the group before training."""
     weight_transport: TransportConfig = ObjectStoreTransport()
     """How weights reach the engines after each step: `object_store` (Ray's, same node),
     `shared_memory` (one buffer mapped by trainer and engines: same GPU or same machine),

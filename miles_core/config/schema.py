@@ -486,6 +486,9 @@ class RunConfig(Section):
         if self.model.source.startswith("builtin:"):
             raise ValueError(f"training.megatron.routing_replay needs an MoE model, but {self.model.source} is dense: "
                              "set training.megatron.routing_replay=false (or model.source to a Qwen3-MoE model)")
+        if self.rollout.generate:
+            raise ValueError("training.megatron.routing_replay replays the experts of single-call samples; a custom "
+                             "rollout.generate builds samples turn by turn: unset one of them")
         if self.rollout.engine.kind == "sglang" and not self.rollout.engine.server_args.get("enable_return_routed_experts"):
             raise ValueError("training.megatron.routing_replay needs the routed experts from SGLang: set "
                              "rollout.engine.server_args.enable_return_routed_experts=true")

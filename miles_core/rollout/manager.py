@@ -10,18 +10,30 @@ import numpy as np
 
 from miles_core.config import RolloutConfig
 from miles_core.data import Prompt, Sample
+from miles_core.plugins import load_optional
 from miles_core.rewards import get_reward
+from miles_core.rollout.context import MergingEngineClient, RolloutContext
+from miles_core.rollout.remote_reward import RemoteRewardClient
 
 SEED_STRIDE = 1_000_003  # more samples than one batch will ever hold
 
 
 class RolloutManager:
-    """Splits whole groups into one request per healthy engine (big batches are what make
-    generation fast), sends them concurrently through the router, scores the responses."""
+    """Turns prompts into scored groups: by default it splits whole groups into one request per
+    healthy engine (big batches are what make generation fast), sends them concurrently through
+    the router and scores the responses; with rollout.generate, the user's function builds each
+    prompt's group (miles_core.rollout.context). Then the reward, and rollout.sample_filter."""
 
-    def __init__(self, engines: Any, rollout: RolloutConfig, reward: str, return_routed_experts: bool = False):
-        """return_routed_experts: ask the engines for each token's experts (MoE routing replay)."""
-        self.engines, self.rollout, self.score = engines, rollout, get_reward(reward)
+    def __init__(self, engines: Any, rollout: RolloutConfig, reward: str, return_routed_experts: bool = False,
+                 tokenizer: Any = None):
+        """return_routed_experts: ask the engines for each token's experts (MoE routing replay);
+        tokenizer: what a custom generate function gets as ctx.tokenizer."""
+        self.engines, self.rollout, self.tokenizer = engines, rollout, tokenizer
+        self.score = get_reward(reward)
+        self.remote_reward = RemoteRewardClient(rollout.remote_reward) if rollout.remote_reward else None
+        self.custom_generate = load_optional(rollout.generate, "rollout.generate")
+        self.sample_filter = load_optional(rollout.sample_filter, "rollout.sample_filter")
+        self.group_filter = load_optional(rollout.group_filter, "rollout.group_filter")
         # only sent when wanted: engines started without routed-expert support reject the flag
         self.request_extra = {"return_routed_experts": True} if return_routed_experts else {}
         self.pool = ThreadPoolExecutor(max_workers=max(2, 2 * rollout.num_engines), thread_name_prefix="rollout")
@@ -33,15 +45,38 @@ class RolloutManager:
                   "max_new_tokens": self.rollout.max_new_tokens}
         return [shared | {"sampling_seed": seed} for seed in seeds]
 
+    def _seeds(self, position: int, seed: int) -> list[int]:
+        n = self.rollout.num_samples_per_prompt
+        return [seed * SEED_STRIDE + position * n + j for j in range(n)]
+
     def generate(self, prompts: list[Prompt], seed: int) -> list[Sample]:
-        """n samples per prompt, grouped contiguously in prompt order, with rewards. Each sample's
-        seed depends only on `seed`, its prompt's position and its index in the group, not on
-        how the batch is sharded; batches of nearby seeds draw no shared sample seeds."""
+        """n samples per prompt, grouped contiguously in prompt order, scored (and filtered). Each
+        sample's seed depends only on `seed`, its prompt's position and its index in the group,
+        not on how the batch is sharded; batches of nearby seeds draw no shared sample seeds."""
+        if self.custom_generate is None:
+            samples = self._generate_default(prompts, seed)
+        else:
+            samples = self._generate_custom(prompts, seed)
+        self._score(samples, prompts)
+        if self.sample_filter is not None:
+            for sample in samples:
+                if not self.sample_filter(sample):
+                    sample.loss_mask = [0.0] * len(sample.response_ids)
+                    sample.filtered = True
+        return samples
+
+    def keep_groups(self, samples: list[Sample]) -> list[bool]:
+        """rollout.group_filter's verdict on each group of n (all kept without one)."""
+        n = self.rollout.num_samples_per_prompt
+        groups = [samples[i : i + n] for i in range(0, len(samples), n)]
+        return [bool(self.group_filter(g)) if self.group_filter else True for g in groups]
+
+    def _generate_default(self, prompts: list[Prompt], seed: int) -> list[Sample]:
         n = self.rollout.num_samples_per_prompt
         num_shards = max(1, min(len(prompts), self.engines.num_healthy))
         positions = [list(range(len(prompts)))[i::num_shards] for i in range(num_shards)]
         futures = [self.pool.submit(self.engines.generate, [prompts[p].input_ids for p in shard for _ in range(n)],
-                                    self.sampling_params([seed * SEED_STRIDE + p * n + j for p in shard for j in range(n)]),
+                                    self.sampling_params([s for p in shard for s in self._seeds(p, seed)]),
                                     **self.request_extra)
                    for shard in positions]
         shards = [[prompts[p] for p in shard] for shard in positions]
@@ -52,13 +87,44 @@ class RolloutManager:
                 by_position.setdefault(i + (j // n) * num_shards, []).append(self._sample(shard[j // n], out))
         return [s for position in range(len(prompts)) for s in by_position[position]]
 
+    def _generate_custom(self, prompts: list[Prompt], seed: int) -> list[Sample]:
+        """rollout.generate once per prompt, all concurrently (their engine calls merged)."""
+        if self.tokenizer is None:
+            raise ValueError("rollout.generate needs the run's tokenizer: pass tokenizer= to RolloutManager")
+        client = MergingEngineClient(self.engines, len(prompts), self.request_extra, self.pool)
+
+        def run(position: int) -> list[Sample]:
+            try:
+                ctx = RolloutContext(client, position, self.tokenizer)
+                return self.custom_generate(ctx, prompts[position], self.sampling_params(self._seeds(position, seed)))
+            finally:
+                client.finished()
+
+        with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="generate") as workers:
+            groups = list(workers.map(run, range(len(prompts))))
+        n = self.rollout.num_samples_per_prompt
+        for prompt, group in zip(prompts, groups):
+            if not isinstance(group, list) or len(group) != n or not all(isinstance(s, Sample) for s in group):
+                raise ValueError(f"rollout.generate returned {type(group).__name__} of "
+                                 f"{len(group) if isinstance(group, list) else '?'} for prompt {prompt.index}; "
+                                 f"it must return a list of num_samples_per_prompt={n} Samples")
+        return [s for group in groups for s in group]
+
+    def _score(self, samples: list[Sample], prompts: list[Prompt]) -> None:
+        if self.remote_reward is not None:
+            by_index = {p.index: p for p in prompts}
+            rewards = self.remote_reward.score(samples, by_index)
+        else:
+            rewards = [self.score(s.response_text, s.label) for s in samples]
+        for sample, reward in zip(samples, rewards):
+            sample.reward = float(reward)
+
     def _sample(self, prompt: Prompt, out: dict[str, Any]) -> Sample:
         meta = out["meta_info"]
         logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
         return Sample(prompt_index=prompt.index, prompt_ids=prompt.input_ids, response_ids=list(out["output_ids"]),
                       label=prompt.label, response_text=out["text"], rollout_logprobs=logprobs,
-                      reward=self.score(out["text"], prompt.label), weight_version=str(meta["weight_version"]),
-                      finish_reason=meta["finish_reason"]["type"],
+                      weight_version=str(meta["weight_version"]), finish_reason=meta["finish_reason"]["type"],
                       routed_experts=self._routed_experts(prompt, out))
 
     def _routed_experts(self, prompt: Prompt, out: dict[str, Any]) -> np.ndarray | None:

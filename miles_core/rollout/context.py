@@ -1,0 +1,110 @@
+"""What a custom generate function (`rollout.generate`) is handed: `ctx.generate` speaks SGLang's
+batch /generate (token ids in; output ids, log-probs, finish reasons out) and `ctx.tokenizer`.
+
+The functions of one rollout batch run concurrently, one per prompt. Their engine calls are
+merged: once every running function waits on the engine, all their calls go out as one request
+per engine (the embedded engine runs one request at a time, and generation is fast in big
+batches; SGLang batches either way). A function that does slow work between turns (a tool
+call) holds the next merge back until it calls the engine again or returns.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+SAMPLE_ONLY = ("sampling_seed",)  # per-sample keys; the rest of the params must agree to share a request
+
+
+@dataclass
+class _Call:
+    worker: int
+    input_ids: list[list[int]]
+    sampling_params: list[dict[str, Any]]
+    extra: dict[str, Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    outputs: list[dict] | None = None
+    error: BaseException | None = None
+
+    def key(self) -> tuple:
+        shared = [{k: v for k, v in p.items() if k not in SAMPLE_ONLY} for p in self.sampling_params]
+        return repr(sorted(self.extra.items())), *(repr(sorted(p.items())) for p in shared[:1])
+
+
+class MergingEngineClient:
+    """Merges the concurrent engine calls of `num_workers` generate functions (see module doc)."""
+
+    def __init__(self, engines: Any, num_workers: int, request_extra: dict[str, Any], pool: ThreadPoolExecutor):
+        self.engines, self.request_extra, self.pool = engines, request_extra, pool
+        self.active = num_workers
+        self.pending: list[_Call] = []
+        self.lock = threading.Lock()
+
+    def generate(self, worker: int, input_ids: list[list[int]], sampling_params: list[dict[str, Any]]) -> list[dict]:
+        if len(sampling_params) != len(input_ids):
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(input_ids)} prompts")
+        if not input_ids:
+            return []
+        call = _Call(worker, input_ids, sampling_params, dict(self.request_extra))
+        with self.lock:
+            self.pending.append(call)
+            ready = self._take_if_all_wait()
+        self._send(ready)
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.outputs
+
+    def finished(self) -> None:
+        """One generate function returned (or raised): it no longer holds a merge back."""
+        with self.lock:
+            self.active -= 1
+            ready = self._take_if_all_wait()
+        self._send(ready)
+
+    def _take_if_all_wait(self) -> list[_Call]:
+        if not self.pending or len({c.worker for c in self.pending}) < self.active:
+            return []
+        ready, self.pending = self.pending, []
+        return sorted(ready, key=lambda c: c.worker)  # request order independent of thread timing
+
+    def _send(self, calls: list[_Call]) -> None:
+        groups: dict[tuple, list[_Call]] = {}
+        for call in calls:
+            groups.setdefault(call.key(), []).append(call)
+        for group in groups.values():
+            try:
+                outputs = self._generate_sharded([ids for c in group for ids in c.input_ids],
+                                                 [p for c in group for p in c.sampling_params], group[0].extra)
+            except BaseException as exc:  # noqa: BLE001 - relayed: each waiting function raises it
+                for call in group:
+                    call.error = exc
+                    call.done.set()
+                continue
+            for call in group:
+                call.outputs, outputs = outputs[: len(call.input_ids)], outputs[len(call.input_ids):]
+                call.done.set()
+
+    def _generate_sharded(self, input_ids: list[list[int]], params: list[dict], extra: dict) -> list[dict]:
+        """One request per healthy engine, contiguous shards, concurrently."""
+        num_shards = max(1, min(len(input_ids), self.engines.num_healthy))
+        size = -(-len(input_ids) // num_shards)
+        futures = [self.pool.submit(self.engines.generate, input_ids[i : i + size], params[i : i + size], **extra)
+                   for i in range(0, len(input_ids), size)]
+        return [out for future in futures for out in future.result()]
+
+
+class RolloutContext:
+    """One generate function's handle: `generate` and `tokenizer` (see module doc)."""
+
+    def __init__(self, client: MergingEngineClient, worker: int, tokenizer: Any):
+        self._client, self._worker, self.tokenizer = client, worker, tokenizer
+
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]]) -> list[dict]:
+        """SGLang's /generate for a batch of token-id prompts, one sampling-params dict each
+        (they may differ only in sampling_seed), with log-probs: one output dict per prompt,
+        {"output_ids", "text", "meta_info": {"output_token_logprobs", "finish_reason",
+        "weight_version", ...}}."""
+        return self._client.generate(self._worker, input_ids, sampling_params)
