@@ -81,7 +81,8 @@ def main() -> None:
     ray.init(num_cpus=12, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=True)
     log(f"ray up: {ray.cluster_resources()}")
     opened = time.perf_counter()
-    run = TrainingRun.open(cfg, work / "run", str(model_dir), str(train_path))
+    run = TrainingRun.open(cfg, work / f"run-{args.transport}-{time.strftime('%H%M%S')}", str(model_dir),
+                           str(train_path))
     try:
         open_seconds = time.perf_counter() - opened
         log(f"trainer and engine actors up in {open_seconds:.1f} s")

@@ -241,9 +241,14 @@ class RLTrainerCore:
         self._shared.write(weights)
         return self._shared.handle
 
+    def _weights_to_share(self) -> dict[str, torch.Tensor]:
+        """Hook: the weights under HF names, as cheaply as the backend can give them (views of
+        the parameters where they are whole). A collective."""
+        return self.hf_state_dict(to_cpu=False)
+
     def write_shared_weights(self) -> None:
         """Cast the current weights into the shared buffer. A collective."""
-        weights = self.hf_state_dict(to_cpu=False)
+        weights = self._weights_to_share()
         if self._shared is not None:
             self._shared.write(weights)
 

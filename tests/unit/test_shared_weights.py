@@ -68,3 +68,22 @@ def test_weights_renamed_after_the_layout_fail_clearly():
             shared.write(renamed)
     finally:
         shared.close()
+
+
+def test_a_trainer_shares_its_current_weights_after_each_step(tiny_model_dir):
+    from miles_core.config import AlgorithmConfig, TrainingConfig
+    from miles_core.training.fsdp import FSDPTrainer
+    from tests.support import random_samples
+
+    trainer = FSDPTrainer(str(tiny_model_dir), TrainingConfig(num_threads=1, lr=1e-2), AlgorithmConfig(), group_size=2)
+    try:
+        engine = SharedWeights.open(trainer.share_weights("float32"))
+        trainer.unlink_shared_weights()
+        for seed in (1, 2):
+            trainer.train_step(random_samples(4, seed=seed))
+            trainer.write_shared_weights()
+            expected = trainer.hf_state_dict(to_cpu=True)
+            assert engine.views.keys() == expected.keys()
+            assert all(torch.equal(engine.views[n], expected[n]) for n in expected)
+    finally:
+        trainer.close()
