@@ -68,8 +68,11 @@ def main() -> None:
                                                 run_dir=str(work / f"run-{name}-{algorithm}-{seed}-{time.time_ns()}")))
                 gain = accuracy(result.hf_export_dir, eval_prompts) - before
                 gains.setdefault(f"{name}/{algorithm}", []).append(gain)
+                rewards = [h["rollout/reward_mean"] for h in result.history]
                 print(json.dumps({"variant": name, "algorithm": algorithm, "seed": seed, "before": before,
-                                  "gain": round(gain, 4), "seconds": round(time.perf_counter() - started, 1)}),
+                                  "gain": round(gain, 4), "seconds": round(time.perf_counter() - started, 1),
+                                  "reward_first10": round(statistics.fmean(rewards[:10]), 4),
+                                  "reward_last10": round(statistics.fmean(rewards[-10:]), 4)}),
                       flush=True)
     for key, values in gains.items():
         print(json.dumps({"setting": key, "min_gain": min(values), "median_gain": statistics.median(values),

@@ -75,17 +75,23 @@ def test_objective_raises_heldout_accuracy(warm, name):
         assert max(h["rollout/train_logprob_abs_diff"] for h in result.history) <= 1e-4
 
 
+# bench/algorithms_sweep.py with the multi-turn recipe at half the rollout, RL seeds 0-2: episode
+# reward (mean of the last 10 steps minus the first 10) +0.08 to +0.12, held-out single-turn
+# pass@1 +0.07 to +0.145; the held-out check is kept loose since the episode is what is trained.
+MIN_MULTITURN_REWARD_RISE = 0.03
+
+
 def test_multiturn_recipe_learns(warm):
     """configs/local-multiturn.yaml (answer, feedback, second answer): the episode reward rises,
-    and so does single-turn held-out accuracy."""
+    and single-turn held-out accuracy does not fall."""
     before = accuracy(warm["warm"], warm["eval"])
     result = run(warm, "grpo", [], warm["warm"], run_name="multiturn", recipe="configs/local-multiturn.yaml")
     after = accuracy(result.hf_export_dir, warm["eval"])
     rewards = [h["rollout/reward_mean"] for h in result.history]
     print(f"multi-turn: pass@1 {before:.3f} -> {after:.3f}; reward {statistics.fmean(rewards[:10]):.3f} -> "
           f"{statistics.fmean(rewards[-10:]):.3f}; curve {[round(r, 3) for r in rewards[::5]]}")
-    assert statistics.fmean(rewards[-10:]) > statistics.fmean(rewards[:10]), rewards
-    assert after >= before + MIN_GAIN, (before, after)
+    assert statistics.fmean(rewards[-10:]) >= statistics.fmean(rewards[:10]) + MIN_MULTITURN_REWARD_RISE, rewards
+    assert after >= before, (before, after)
     # the second answers are generated on top of feedback tokens the engine did not sample:
     # the trainer still scores exactly the policy's tokens with the engine's weights
     assert max(h["rollout/train_logprob_abs_diff"] for h in result.history) <= 1e-4

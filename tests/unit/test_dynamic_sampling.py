@@ -24,6 +24,9 @@ class StubManager:
         return [Sample(p.index, [1], [2], p.label, reward=1.0 if p.index in self.flat else float(j % 2))
                 for p in prompts for j in range(N)]
 
+    def keep_groups(self, samples: list[Sample]) -> list[bool]:
+        return [True] * (len(samples) // N)
+
 
 def setup(flat: set[int], num_prompts: int = 16, *overrides: str):
     cfg = build_config({}, ["algorithm.dynamic_sampling=true", "rollout.num_prompts_per_step=4",
