@@ -75,9 +75,12 @@ class SharedMemoryTransport:
         started = time.perf_counter()
         urls = tuple(url for _, url in targets)
         if urls != self.members:
+            self.members = ()
             handle = ray.get(trainer.share_weights.remote(self.engine_dtype))
-            _check(ray.get([actor.map_shared_weights.remote(handle) for actor, _ in targets]), version)
-            ray.get(trainer.unlink_shared_weights.remote())
+            try:
+                _check(ray.get([actor.map_shared_weights.remote(handle) for actor, _ in targets]), version)
+            finally:  # mapped or not, the file must not outlive this call (a killed trainer cannot remove it)
+                ray.get(trainer.unlink_shared_weights.remote())
             self.members = urls
         else:
             ray.get(trainer.write_shared_weights.remote())
@@ -121,9 +124,9 @@ class BroadcastTransport:
     joins at rank_offset + tp_rank), so engine i's offset is 1 + the ranks of engines before it."""
 
     def __init__(self, bucket_megabytes: int = 512, verify: bool = False, ranks_per_engine: int = 1,
-                 api_key: str | None = None, **_: Any):
+                 api_key: str | None = None, engine_dtype: str | None = None, **_: Any):
         self.bucket_bytes, self.verify, self.ranks_per_engine = bucket_megabytes << 20, verify, ranks_per_engine
-        self.api_key = api_key
+        self.api_key, self.engine_dtype = api_key, engine_dtype
         self.members: tuple[str, ...] = ()
         self.generation = 0
 
@@ -159,7 +162,7 @@ class BroadcastTransport:
             self._connect(trainer, urls)
         connected = time.perf_counter()
         sent_bytes = ray.get(trainer.broadcast_weights.remote(list(urls), self._group_name(), str(version),
-                                                             self.bucket_bytes, self.api_key))
+                                                             self.bucket_bytes, self.api_key, self.engine_dtype))
         done = time.perf_counter()
         if self.verify:
             _verify(trainer, targets, version)
@@ -186,16 +189,20 @@ def make_transport(config: TransportConfig, sync_dir: str | Path, verify: bool, 
         return DiskTransport(str(sync_dir), verify=verify, api_key=api_key)
     if config.kind == "broadcast":
         return BroadcastTransport(config.bucket_megabytes, verify=verify, ranks_per_engine=ranks_per_engine,
-                                  api_key=api_key)
+                                  api_key=api_key, engine_dtype=engine_dtype)
     raise ValueError(f"unknown weight transport {config.kind!r}")
 
 
 def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str], group_name: str,
-                         version: str, bucket_bytes: int, api_key: str | None = None) -> int:
+                         version: str, bucket_bytes: int, api_key: str | None = None,
+                         dtype: torch.dtype | None = None) -> int:
     """Sender side (runs in the trainer): per bucket, ask every engine to receive the named
-    tensors, then broadcast them in that order. Returns the bytes sent. MoE experts go in the
+    tensors, then broadcast them in that order, cast to dtype (the engines' own: bf16 engines
+    receive half the bytes of fp32 master weights). Returns the bytes sent. MoE experts go in the
     checkpoint layout: SGLang's loaders skip fused expert names without an error."""
     state = checkpoint_layout(state)
+    if dtype is not None:
+        state = {name: tensor.to(dtype) for name, tensor in state.items()}
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     names, buckets, size = list(state), [[]], 0
     for name in names:

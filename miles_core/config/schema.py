@@ -450,9 +450,6 @@ class RunConfig(Section):
         if r.engine.kind == "sglang" and r.verify_weight_sync:
             raise ValueError("rollout.verify_weight_sync compares a sha256 of the engine's weights, which SGLang "
                              "does not serve: set rollout.verify_weight_sync=false for engine sglang")
-        if self.training.backend == "megatron" and r.weight_transport.kind == "broadcast":
-            raise ValueError("the Megatron trainer has no broadcast sender yet: set rollout.weight_transport=disk "
-                             "(a filesystem trainer and engines share) or object_store (embedded engines)")
 
     def _shares_memory(self) -> None:
         r, t = self.rollout, self.training

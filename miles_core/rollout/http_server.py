@@ -258,7 +258,10 @@ class ServerHandle:
         if self.shared is None:
             return weight_result(False, "no shared weight buffer mapped; call map_shared_weights first")
         with self.service.lock:
-            return self.service.load_tensors(self.shared.views, weight_version, checkpoint_names_only=False)
+            result = self.service.load_tensors(self.shared.views, weight_version, checkpoint_names_only=False)
+            if self.shared.flat.is_cuda:  # the trainer's next write must not race this copy
+                torch.cuda.current_stream().synchronize()
+            return result
 
     def weights_sha256(self) -> str:
         return self.service.weights_sha256()

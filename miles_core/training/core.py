@@ -20,6 +20,7 @@ from miles_core import algorithms as algo
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.data import Sample
+from miles_core.net import init_custom_process_group, rendezvous_endpoint
 from miles_core.shared_weights import BufferHandle, SharedWeights
 from miles_core.training.batches import Batch, select_rows
 from miles_core.training.data_parallel import sum_metrics_over_ranks, sum_over_ranks
@@ -232,10 +233,10 @@ class RLTrainerCore:
         """Lay out a fresh buffer, holding the current weights in the engines' dtype, that
         engines on this GPU (or, training on CPU, this machine) map; its handle on rank 0,
         None on the others. A collective, like hf_state_dict."""
-        weights = self.hf_state_dict(to_cpu=False)
+        weights = self._weights_to_share()
         self.unlink_shared_weights()
         self._shared = None
-        if not weights or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        if not weights or _rank() != 0:
             return None
         self._shared = SharedWeights.create(weights, getattr(torch, dtype))
         self._shared.write(weights)
@@ -257,3 +258,40 @@ class RLTrainerCore:
         stay valid, and a killed trainer leaves nothing behind."""
         if self._shared is not None:
             self._shared.close()
+
+    # ---- broadcast weight sync (sender side; see miles_core.weights.BroadcastTransport) -------
+    broadcast_group: Any = None
+
+    def broadcast_backend(self) -> str:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+    def weight_broadcast_endpoint(self) -> tuple[str, int]:
+        return rendezvous_endpoint()
+
+    def open_weight_broadcast(self, address: str, port: int, world_size: int, group_name: str) -> None:
+        """Rank 0 sends for the whole group (it gathers the weights of every rank first)."""
+        if _rank() == 0:
+            self.broadcast_group = init_custom_process_group(self.broadcast_backend(), f"tcp://{address}:{port}",
+                                                             world_size, 0, group_name)
+
+    def broadcast_weights(self, urls: list[str], group_name: str, version: str, bucket_bytes: int,
+                          api_key: str | None = None, dtype: str | None = None) -> int:
+        """Send the weights (cast to dtype, the engines' own, when given) to the engines; the bytes
+        sent on rank 0, 0 elsewhere. A collective: every rank takes part in the gather."""
+        from miles_core.weights import broadcast_to_engines
+
+        weights = self.hf_state_dict()
+        if _rank() != 0:
+            return 0
+        return broadcast_to_engines(weights, self.broadcast_group, urls, group_name, version, bucket_bytes,
+                                    api_key, dtype=None if dtype is None else getattr(torch, dtype))
+
+    def close_weight_broadcast(self) -> None:
+        group, self.broadcast_group = self.broadcast_group, None
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.data import Sample
-from miles_core.net import free_port, init_custom_process_group, rendezvous_endpoint
+from miles_core.net import free_port
 from miles_core.training import state_io
 from miles_core.training.batches import pad_batch
 from miles_core.training.core import RLTrainerCore
@@ -199,35 +199,6 @@ class FSDPTrainer(RLTrainerCore):
             return self.hf_state_dict(to_cpu=False)
         return {name: (p.to_local() if isinstance(p, DTensor) else p).detach()
                 for name, p in self.model.named_parameters()}
-
-    # ---- broadcast weight sync (sender side; see miles_core.weights.BroadcastTransport) -----
-    def broadcast_backend(self) -> str:
-        return "nccl" if torch.cuda.is_available() else "gloo"
-
-    def weight_broadcast_endpoint(self) -> tuple[str, int]:
-        return rendezvous_endpoint()
-
-    def open_weight_broadcast(self, address: str, port: int, world_size: int, group_name: str) -> None:
-        """Rank 0 sends for the whole data-parallel group (every rank holds the same weights)."""
-        if self.rank != 0:
-            return
-        self.broadcast_group = init_custom_process_group(self.broadcast_backend(), f"tcp://{address}:{port}",
-                                                         world_size, 0, group_name)
-
-    def broadcast_weights(self, urls: list[str], group_name: str, version: str, bucket_bytes: int,
-                          api_key: str | None = None) -> int:
-        from miles_core.weights import broadcast_to_engines
-
-        weights = self.hf_state_dict()  # a collective: every rank takes part in the gather
-        if self.rank != 0:
-            return 0
-        return broadcast_to_engines(weights, self.broadcast_group, urls, group_name, version, bucket_bytes,
-                                    api_key)
-
-    def close_weight_broadcast(self) -> None:
-        group, self.broadcast_group = getattr(self, "broadcast_group", None), None
-        if group is not None:
-            dist.destroy_process_group(group)
 
     def export_hf(self, out_dir: str | Path) -> Path:
         """Save a standalone HF directory (config, safetensors weights, tokenizer)."""

@@ -99,10 +99,11 @@ def _spec(tmp_path, model_dir, tp: int, num_steps: int, extra: tuple[str, ...] =
 
 
 def test_tp2_run_checkpoints_syncs_engines_and_resumes_at_tp1(ray_local_3cpus, tmp_path, tiny_model_dir):
-    first = run_training(_spec(tmp_path, tiny_model_dir, tp=2, num_steps=3))
+    broadcast = ("rollout.weight_transport=broadcast",)
+    first = run_training(_spec(tmp_path, tiny_model_dir, tp=2, num_steps=3, extra=broadcast))
     assert first.steps == 3 and first.resumed_from_step is None
-    # sync loop: each step's rollouts come from the weights the group just pushed (and
-    # verify_weight_sync compared their sha256 with the trainer's)
+    # sync loop: each step's rollouts come from the weights rank 0 gathered over TP and broadcast
+    # (verify_weight_sync compared their sha256 with the trainer's)
     diffs = [h["rollout/train_logprob_abs_diff"] for h in first.history]
     assert max(diffs) <= ON_POLICY_TOL, diffs
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
@@ -112,12 +113,12 @@ def test_tp2_run_checkpoints_syncs_engines_and_resumes_at_tp1(ray_local_3cpus, t
     assert any(not torch.equal(v, initial[k]) for k, v in exported.items())  # the weights moved
 
     # the TP=2 torch_dist checkpoint, loaded by one TP=1 trainer: the same weights...
-    same = run_training(_spec(tmp_path, tiny_model_dir, tp=1, num_steps=3))
+    same = run_training(_spec(tmp_path, tiny_model_dir, tp=1, num_steps=3, extra=broadcast))
     assert same.resumed_from_step == 3 and same.steps == 3 and same.history == []
     again = load_file(f"{same.hf_export_dir}/model.safetensors")
     assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in exported)
     # ...and training continues from there
-    more = run_training(_spec(tmp_path, tiny_model_dir, tp=1, num_steps=4))
+    more = run_training(_spec(tmp_path, tiny_model_dir, tp=1, num_steps=4, extra=broadcast))
     assert more.resumed_from_step == 3 and [h["step"] for h in more.history] == [4]
     assert more.history[0]["rollout/train_logprob_abs_diff"] <= ON_POLICY_TOL
     state = json.loads(open(f"{more.final_checkpoint_dir}/trainer_state.json").read())
@@ -129,10 +130,11 @@ def test_ep2_moe_run_with_routing_replay_syncs_engines_on_policy(ray_local_3cpus
     spec = _spec(tmp_path, tiny_moe_model_dir, tp=1, num_steps=2,
                  extra=(f"model.source={tiny_moe_model_dir}", "training.megatron.expert_parallel_size=2",
                         "training.cpus_per_trainer=2",
-                        "training.micro_batch_size=6", "training.megatron.routing_replay=true"))
+                        "training.micro_batch_size=6", "training.megatron.routing_replay=true",
+                        "rollout.weight_transport=shared_memory"))
     result = run_training(spec)
     assert result.steps == 2
-    # weight sync gathered both ranks' experts: the engines' sha256 matched the trainer's
+    # the shared buffer held both ranks' experts: the engines' sha256 matched the trainer's
     # (verify_weight_sync), and the next rollouts' log-probs are the trainer's own
     diffs = [h["rollout/train_logprob_abs_diff"] for h in result.history]
     assert max(diffs) <= ON_POLICY_TOL, diffs

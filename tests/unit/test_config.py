@@ -137,8 +137,9 @@ def test_megatron_layouts_not_implemented_say_how_to_fix():
     with pytest.raises(ConfigError, match="gpus_per_trainer=2"):
         build_config({}, ["training.backend=megatron", "training.megatron.tensor_parallel_size=2",
                           "training.gpus_per_trainer=1"])
-    with pytest.raises(ConfigError, match="weight_transport=disk"):
-        build_config({}, ["training.backend=megatron", "rollout.weight_transport=broadcast"])
+    # the Megatron trainer broadcasts like FSDP's (rank 0 sends what the group gathered)
+    megatron = build_config({}, ["training.backend=megatron", "rollout.weight_transport=broadcast"])
+    assert megatron.rollout.weight_transport.kind == "broadcast"
 
 
 def test_megatron_options_read_the_config_section():
