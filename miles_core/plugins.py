@@ -29,6 +29,8 @@ def load_plugin(path: str, field: str, params: tuple[str, ...] | None = None) ->
     except ImportError as exc:
         raise ValueError(f"{field}: cannot import {module_name!r} ({exc}); is its package installed or on "
                          "PYTHONPATH where the run's driver runs?") from None
+    except Exception as exc:  # noqa: BLE001 - user code failing at import: reported on the field
+        raise ValueError(f"{field}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{field}: {module_name!r} has no function {attr!r}")

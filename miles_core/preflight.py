@@ -9,6 +9,7 @@ checks have short timeouts. Nothing here writes a file, starts Ray or opens an M
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,6 +127,9 @@ def _reward_problems(cfg: RunConfig) -> Iterator[str]:
             get_reward(name, field)
         except ValueError as exc:
             yield str(exc)
+    remote = cfg.rollout.remote_reward
+    if remote is not None and remote.api_key_env and not os.environ.get(remote.api_key_env):
+        yield f"rollout.remote_reward.api_key_env: ${remote.api_key_env} is not set in this environment"
     for field in ("rollout.generate", "rollout.sample_filter", "rollout.group_filter"):
         try:
             load_optional(getattr(cfg.rollout, field.split(".")[1]), field)

@@ -74,7 +74,7 @@ class SharedWeights:
             flat = torch.empty(numel, dtype=dtype, device=device)
             handle = BufferHandle(entries, dtype_name, numel, cuda_ipc=reduce_tensor(flat))
         else:
-            path = SHM_DIR / f"miles-weights-{uuid.uuid4().hex}"
+            path = _reserve_shm_file(numel * dtype.itemsize)
             flat = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
             handle = BufferHandle(entries, dtype_name, numel, shm_path=str(path))
         return cls(flat, handle, owner=True)
@@ -111,3 +111,20 @@ class SharedWeights:
         if self.owner and self.handle.shm_path:
             with contextlib.suppress(FileNotFoundError):  # a mapping outlives its file
                 os.remove(self.handle.shm_path)
+
+
+def _reserve_shm_file(num_bytes: int) -> Path:
+    """A new /dev/shm file with its pages allocated now: a tmpfs that fills up later would kill
+    the trainer with SIGBUS in the middle of a write instead of failing here."""
+    path = SHM_DIR / f"miles-weights-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, num_bytes)
+    except OSError as exc:
+        os.close(fd)
+        path.unlink()
+        raise RuntimeError(f"rollout.weight_transport=shared_memory needs {num_bytes / 2**30:.2f} GiB in {SHM_DIR} "
+                           f"({exc.strerror}): enlarge it (docker --shm-size) or use weight_transport=broadcast") from None
+    os.close(fd)
+    return path
+

@@ -136,7 +136,7 @@ class RemoteReward(Section):
     api_key_env: str | None = None
     """Environment variable holding a key sent as `Authorization: Bearer <key>`; never logged."""
     timeout_seconds: float = Field(60.0, gt=0)
-    """One request's limit; a request that takes longer counts as a failed attempt."""
+    """Connect and read limit of one request (seconds without a byte); a failed attempt when exceeded."""
     max_attempts: int = Field(3, ge=1)
     """Attempts per request (timeouts, connection errors, 429 and 5xx are retried; other 4xx are not)."""
     backoff_seconds: float = Field(1.0, ge=0)

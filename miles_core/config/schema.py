@@ -457,8 +457,10 @@ class RunConfig(Section):
             raise ValueError("rollout.weight_transport=shared_memory maps one buffer on one device: give the "
                              "trainer and the engines GPUs (training.gpus_per_trainer, rollout.gpus_per_engine) "
                              "or neither")
-        if r.gpus_per_engine > 0 and (self.placement.layout != "colocated" or t.world_size > 1
-                                      or t.gpus_per_trainer + r.num_engines * r.gpus_per_engine > 1):
+        if self.placement.layout != "colocated":
+            raise ValueError("rollout.weight_transport=shared_memory needs the trainer and the engines on one "
+                             "machine: set placement.layout=colocated (or use broadcast)")
+        if r.gpus_per_engine > 0 and (t.world_size > 1 or t.gpus_per_trainer + r.num_engines * r.gpus_per_engine > 1):
             raise ValueError("rollout.weight_transport=shared_memory on GPUs needs the trainer (one rank) and the "
                              "engines on one GPU: placement.layout=colocated and training.gpus_per_trainer + "
                              "rollout.num_engines * rollout.gpus_per_engine <= 1; use broadcast otherwise")

@@ -28,9 +28,8 @@ class _Call:
     outputs: list[dict] | None = None
     error: BaseException | None = None
 
-    def key(self) -> tuple:
-        shared = [{k: v for k, v in p.items() if k not in SAMPLE_ONLY} for p in self.sampling_params]
-        return repr(sorted(self.extra.items())), *(repr(sorted(p.items())) for p in shared[:1])
+    key: tuple = ()
+    """Calls of equal key (the params but the seed, the request flags) share one request."""
 
 
 class MergingEngineClient:
@@ -43,11 +42,10 @@ class MergingEngineClient:
         self.lock = threading.Lock()
 
     def generate(self, worker: int, input_ids: list[list[int]], sampling_params: list[dict[str, Any]]) -> list[dict]:
-        if len(sampling_params) != len(input_ids):
-            raise ValueError(f"{len(sampling_params)} sampling_params for {len(input_ids)} prompts")
+        call = _Call(worker, input_ids, sampling_params, dict(self.request_extra),
+                     key=_request_key(input_ids, sampling_params, self.request_extra))
         if not input_ids:
             return []
-        call = _Call(worker, input_ids, sampling_params, dict(self.request_extra))
         with self.lock:
             self.pending.append(call)
             ready = self._take_if_all_wait()
@@ -73,19 +71,22 @@ class MergingEngineClient:
     def _send(self, calls: list[_Call]) -> None:
         groups: dict[tuple, list[_Call]] = {}
         for call in calls:
-            groups.setdefault(call.key(), []).append(call)
+            groups.setdefault(call.key, []).append(call)
         for group in groups.values():
             try:
                 outputs = self._generate_sharded([ids for c in group for ids in c.input_ids],
                                                  [p for c in group for p in c.sampling_params], group[0].extra)
+                if len(outputs) != sum(len(c.input_ids) for c in group):
+                    raise RuntimeError(f"the engines answered {len(outputs)} outputs for "
+                                       f"{sum(len(c.input_ids) for c in group)} prompts")
+                for call in group:
+                    call.outputs, outputs = outputs[: len(call.input_ids)], outputs[len(call.input_ids):]
             except BaseException as exc:  # noqa: BLE001 - relayed: each waiting function raises it
                 for call in group:
                     call.error = exc
+            finally:  # no function may wait forever
+                for call in group:
                     call.done.set()
-                continue
-            for call in group:
-                call.outputs, outputs = outputs[: len(call.input_ids)], outputs[len(call.input_ids):]
-                call.done.set()
 
     def _generate_sharded(self, input_ids: list[list[int]], params: list[dict], extra: dict) -> list[dict]:
         """One request per healthy engine, contiguous shards, concurrently."""
@@ -108,3 +109,18 @@ class RolloutContext:
         {"output_ids", "text", "meta_info": {"output_token_logprobs", "finish_reason",
         "weight_version", ...}}."""
         return self._client.generate(self._worker, input_ids, sampling_params)
+
+
+def _request_key(input_ids: list[list[int]], sampling_params: Any, extra: dict[str, Any]) -> tuple:
+    """Checks one call (before it can hold a merge) and returns what it may be merged on."""
+    if not isinstance(sampling_params, list) or len(sampling_params) != len(input_ids):
+        raise ValueError(f"ctx.generate takes one sampling_params dict per prompt: got "
+                         f"{type(sampling_params).__name__} for {len(input_ids)} prompts")
+    if not all(isinstance(p, dict) for p in sampling_params):
+        raise ValueError("ctx.generate: every sampling_params entry must be a dict")
+    shared = {repr(sorted((k, v) for k, v in p.items() if k not in SAMPLE_ONLY)) for p in sampling_params}
+    if len(shared) > 1:
+        raise ValueError(f"ctx.generate: one call's sampling_params may differ only in {SAMPLE_ONLY}; "
+                         "make one call per set of params")
+    return repr(sorted(extra.items())), *shared
+

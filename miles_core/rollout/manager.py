@@ -108,6 +108,10 @@ class RolloutManager:
                 raise ValueError(f"rollout.generate returned {type(group).__name__} of "
                                  f"{len(group) if isinstance(group, list) else '?'} for prompt {prompt.index}; "
                                  f"it must return a list of num_samples_per_prompt={n} Samples")
+            for sample in group:
+                problem = _sample_problem(sample, group)
+                if problem:
+                    raise ValueError(f"rollout.generate, prompt {prompt.index}: {problem}")
         return [s for group in groups for s in group]
 
     def _score(self, samples: list[Sample], prompts: list[Prompt]) -> None:
@@ -149,3 +153,17 @@ def decode_routed_experts(value: Any, num_positions: int) -> np.ndarray:
     if len(array) != num_positions:
         raise ValueError(f"routed_experts covers {len(array)} positions, expected {num_positions}")
     return array
+
+
+def _sample_problem(sample: Sample, group: list[Sample]) -> str | None:
+    """What would make a custom generate's sample train wrongly (None when nothing)."""
+    size = len(sample.response_ids)
+    if not sample.prompt_ids or not size:
+        return "a sample needs prompt_ids and response_ids"
+    for name in ("loss_mask", "rollout_logprobs"):
+        if len(getattr(sample, name)) not in (0, size):
+            return f"{name} has {len(getattr(sample, name))} entries for {size} response tokens"
+    if sum(s is sample for s in group) > 1:
+        return "the same Sample object appears twice in the group (rewards and masks would be shared)"
+    return None
+

@@ -56,7 +56,7 @@ class RemoteRewardClient:
             try:
                 resp = self.session.post(self.cfg.url, json=body, headers=self.headers,
                                          timeout=self.cfg.timeout_seconds)
-            except (requests.ConnectionError, requests.Timeout) as exc:
+            except requests.RequestException as exc:  # connection, timeout, a broken response
                 reason = f"{type(exc).__name__}: {exc}"
             else:
                 if resp.status_code == 200:

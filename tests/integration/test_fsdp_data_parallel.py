@@ -82,7 +82,7 @@ def test_dp2_run_syncs_engines_checkpoints_and_resumes_at_dp1(ray_local_3cpus, t
                                 f"training.num_steps={num_steps}", "checkpoint.interval_steps=2",
                                 "rollout.num_prompts_per_step=4", "rollout.num_samples_per_prompt=4",
                                 "rollout.verify_weight_sync=true", f"rollout.weight_transport.kind={transport}",
-                                "training.num_threads=1", "training.micro_batch_size=6",
+                                "training.num_threads=1", "training.micro_batch_size=6", "placement.layout=colocated",
                                 "algorithm.entropy_coef=0.01"])
         return TrainSpec(config=cfg, model_dir=str(tiny_model_dir), train_path=str(train), run_dir=str(tmp_path / "run"))
 

@@ -131,7 +131,7 @@ def test_ep2_moe_run_with_routing_replay_syncs_engines_on_policy(ray_local_3cpus
                  extra=(f"model.source={tiny_moe_model_dir}", "training.megatron.expert_parallel_size=2",
                         "training.cpus_per_trainer=2",
                         "training.micro_batch_size=6", "training.megatron.routing_replay=true",
-                        "rollout.weight_transport=shared_memory"))
+                        "rollout.weight_transport=shared_memory", "placement.layout=colocated"))
     result = run_training(spec)
     assert result.steps == 2
     # the shared buffer held both ranks' experts: the engines' sha256 matched the trainer's

@@ -68,7 +68,10 @@ def test_hf_source_shape_and_sglang_needs_gpu():
 
 def test_shared_memory_transport_needs_trainer_and_engines_on_one_device():
     shared = ["rollout.weight_transport=shared_memory"]
-    assert build_config({}, shared).rollout.weight_transport.kind == "shared_memory"  # CPU: one machine
+    with pytest.raises(ConfigError, match="one machine: set placement.layout=colocated"):  # SPREAD: other nodes
+        build_config({}, shared)
+    cpu = build_config({}, shared + ["placement.layout=colocated"])
+    assert cpu.rollout.weight_transport.kind == "shared_memory"
     with pytest.raises(ConfigError, match="GPUs .* or neither"):
         build_config({}, shared + ["rollout.gpus_per_engine=0.4"])
     one_gpu = shared + ["rollout.gpus_per_engine=0.4", "training.gpus_per_trainer=0.5"]

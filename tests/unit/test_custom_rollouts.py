@@ -234,3 +234,38 @@ def test_self_correction_retries_only_wrong_answers_with_feedback_as_context():
     second_answer = TOKENIZER.decode(first.response_ids[turn + len(feedback):], skip_special_tokens=True)
     assert first.response_text == second_answer  # the reward scores the final answer
     assert isinstance(first, Sample)
+
+
+def one_dict_for_all(ctx, prompt, sampling_params):
+    """The SGLang habit of one params dict for a whole batch: refused, in this function only."""
+    ctx.generate([prompt.input_ids] * 4, sampling_params[0])
+
+
+def test_a_malformed_engine_call_fails_its_function_without_holding_the_others():
+    module = _plugin_module(bad=one_dict_for_all)
+    with pytest.raises(ValueError, match="one sampling_params dict per prompt"):
+        _manager(ScriptedEngines(), generate=f"{module}:bad").generate(_prompts(3), seed=0)
+
+
+def test_samples_that_would_train_wrongly_are_refused_naming_the_prompt():
+    def short_mask(ctx, prompt, sampling_params):
+        samples = two_turns(ctx, prompt, sampling_params)
+        samples[1].loss_mask = samples[1].loss_mask[:1]
+        return samples
+
+    def same_object(ctx, prompt, sampling_params):
+        return [two_turns(ctx, prompt, sampling_params)[0]] * len(sampling_params)
+
+    module = _plugin_module(short_mask=short_mask, same_object=same_object)
+    with pytest.raises(ValueError, match=r"prompt 0: loss_mask has 1 entries for \d+ response tokens"):
+        _manager(ScriptedEngines(), generate=f"{module}:short_mask").generate(_prompts(1), seed=0)
+    with pytest.raises(ValueError, match="same Sample object appears twice"):
+        _manager(ScriptedEngines(), generate=f"{module}:same_object").generate(_prompts(1), seed=0)
+
+
+def test_a_plugin_module_that_fails_to_import_is_reported_on_the_field(tmp_path, monkeypatch):
+    (tmp_path / "broken_plugin_xyz.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"rollout.sample_filter: importing 'broken_plugin_xyz' failed: "
+                                         r"RuntimeError: no GPU here"):
+        load_plugin("broken_plugin_xyz:keep", "rollout.sample_filter")

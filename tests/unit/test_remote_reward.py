@@ -148,3 +148,14 @@ def test_the_rollout_manager_scores_its_batch_with_the_reward_model(serve):
     samples = RolloutManager(Engines(), rollout, "exact_match").generate([Prompt(0, "q", "yy", [1, 2])], seed=0)
     assert [s.reward for s in samples] == [1.0, 2.0]  # the server's, not exact_match's
     assert server.requests[0]["labels"] == ["yy", "yy"]
+
+
+def test_preflight_reports_a_missing_key_before_anything_starts(monkeypatch):
+    from miles_core.config import build_config
+    from miles_core.preflight import _reward_problems
+
+    monkeypatch.delenv("REWARD_KEY", raising=False)
+    cfg = build_config({"rollout": {"remote_reward": {"url": "http://127.0.0.1:9/score", "api_key_env": "REWARD_KEY"}}})
+    assert list(_reward_problems(cfg)) == ["rollout.remote_reward.api_key_env: $REWARD_KEY is not set in this environment"]
+    monkeypatch.setenv("REWARD_KEY", "k")
+    assert list(_reward_problems(cfg)) == []

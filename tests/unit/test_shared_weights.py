@@ -87,3 +87,19 @@ def test_a_trainer_shares_its_current_weights_after_each_step(tiny_model_dir):
             assert all(torch.equal(engine.views[n], expected[n]) for n in expected)
     finally:
         trainer.close()
+
+
+def test_a_full_dev_shm_fails_before_anything_is_written(monkeypatch):
+    import errno
+    import os
+
+    from miles_core import shared_weights
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    before = set(shared_weights.SHM_DIR.glob("miles-weights-*"))
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(RuntimeError, match=r"needs 0.00 GiB in /dev/shm .*--shm-size"):
+        SharedWeights.create(_weights(0), torch.float32)
+    assert set(shared_weights.SHM_DIR.glob("miles-weights-*")) == before
