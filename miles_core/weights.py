@@ -63,17 +63,17 @@ class SharedMemoryTransport:
     """One buffer the trainer and colocated engines both map (miles_core.shared_weights): CUDA
     IPC when they share a GPU, /dev/shm on CPU. A sync is a cast-copy into the buffer and a
     copy out of it per engine; nothing is serialized. The buffer is laid out again whenever the
-    set of engines changes (a restarted engine maps the new one)."""
+    set of engine processes changes (a restarted engine, even at its old URL, maps the new one)."""
 
     def __init__(self, engine_dtype: str = "float32", verify: bool = False, **_: Any):
         self.engine_dtype, self.verify = engine_dtype, verify
-        self.members: tuple[str, ...] = ()
+        self.members: tuple[tuple[str, int], ...] = ()
 
     def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
         import ray
 
         started = time.perf_counter()
-        urls = tuple(url for _, url in targets)
+        urls = tuple(zip((url for _, url in targets), ray.get([actor.pid.remote() for actor, _ in targets])))
         if urls != self.members:
             self.members = ()
             handle = ray.get(trainer.share_weights.remote(self.engine_dtype))
