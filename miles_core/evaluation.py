@@ -13,14 +13,16 @@ import json
 import shlex
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from miles_core.config import RunConfig
 from miles_core.data import Prompt, read_prompts
+from miles_core.plugins import load_plugin
 from miles_core.rewards import get_reward
+from miles_core.rollout.context import run_generate_fn
 
 MAX_EXAMPLES = 8
 HELDOUT = "heldout"
@@ -50,6 +52,28 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
+class _EngineAsGroup:
+    """An evaluation engine as what a generate function's ctx calls (miles_core.rollout.context)."""
+
+    num_healthy = 1
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def generate(self, input_ids: list[list[int]], sampling_params: list[dict], **extra: Any) -> list[dict]:
+        return self.engine.generate(input_ids, sampling_params, return_logprob=True, **extra)
+
+
+def _generate_episodes(generate_fn: Callable, engine, prompts: list[Prompt], params: dict, num_samples: int,
+                       seed: int | None) -> list[list[str]]:
+    """rollout.generate's episodes: the final response_text of each of num_samples per prompt."""
+    seeds = [[(seed or 0) + i * num_samples + j for j in range(num_samples)] for i in range(len(prompts))]
+    per_prompt = [[params | {"sampling_seed": s} for s in row] for row in seeds]
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="eval") as pool:
+        groups = run_generate_fn(generate_fn, _EngineAsGroup(engine), prompts, per_prompt, engine.tokenizer, pool)
+    return [[sample.response_text for sample in group] for group in groups]
+
+
 def _generate_all(engine, prompts: list[Prompt], params: dict, num_samples: int,
                   batch_size: int, seed: int | None) -> list[list[str]]:
     """num_samples response texts per prompt; a batch holds batch_size sequences."""
@@ -67,11 +91,13 @@ def _generate_all(engine, prompts: list[Prompt], params: dict, num_samples: int,
 
 def evaluate_dataset(engine, prompts: list[Prompt], reward: str, *, num_samples: int = 1,
                      temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int,
-                     batch_size: int, pass_k: Sequence[int] = (1,), seed: int | None = None) -> dict[str, Any]:
+                     batch_size: int, pass_k: Sequence[int] = (1,), seed: int | None = None,
+                     generate_fn: Callable | None = None) -> dict[str, Any]:
     """pass@1, pass@k (each requested k <= n), avg@n and a few examples of one dataset.
 
     A response is correct when its reward is > 0. avg@n is the mean reward over all n
     samples of all prompts (equal to pass@1 for 0/1 rewards, not for +-1 rewards like dapo).
+    generate_fn: a rollout.generate function whose episodes are scored instead.
     """
     if not prompts:
         raise ValueError("evaluate_dataset: no prompts")
@@ -82,7 +108,8 @@ def evaluate_dataset(engine, prompts: list[Prompt], reward: str, *, num_samples:
                          f"{num_samples}: set temperature > 0 or num_samples_per_prompt=1")
     score = get_reward(reward)
     params = {"temperature": float(temperature), "top_p": float(top_p), "max_new_tokens": int(max_new_tokens)}
-    responses = _generate_all(engine, prompts, params, num_samples, batch_size, seed)
+    responses = (_generate_all(engine, prompts, params, num_samples, batch_size, seed) if generate_fn is None
+                 else _generate_episodes(generate_fn, engine, prompts, params, num_samples, seed))
     rewards = [[float(score(text, p.label)) for text in texts] for p, texts in zip(prompts, responses)]
     correct = [sum(r > 0 for r in row) for row in rewards]
     result: dict[str, Any] = {}
@@ -128,15 +155,17 @@ def evaluate_all(cfg: RunConfig, model_dir: str | Path | None, default_eval_path
         engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads)
     tokenizer = engine.tokenizer
     e = cfg.eval
+    generate_fn = load_plugin(cfg.rollout.generate, "rollout.generate") if e.use_rollout_generate else None
     results = {HELDOUT: evaluate_dataset(
         engine, read_prompts(default_eval_path, cfg.data, tokenizer), cfg.rollout.reward,
-        max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, pass_k=e.pass_k, seed=cfg.seed)}
+        max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, pass_k=e.pass_k, seed=cfg.seed,
+        generate_fn=generate_fn)}
     for ds in e.datasets:
         results[ds.name] = evaluate_dataset(
             engine, read_prompts(ds.path, cfg.data, tokenizer), ds.reward or cfg.rollout.reward,
             num_samples=ds.num_samples_per_prompt, temperature=ds.temperature, top_p=ds.top_p,
             max_new_tokens=ds.max_new_tokens or e.max_new_tokens, batch_size=e.batch_size,
-            pass_k=e.pass_k, seed=cfg.seed)
+            pass_k=e.pass_k, seed=cfg.seed, generate_fn=generate_fn)
     return results
 
 
@@ -148,10 +177,14 @@ class EngineGroupEval:
         self.engines, self.tokenizer = engines, tokenizer
         self.pool = ThreadPoolExecutor(max_workers=max(2, engines.cfg.rollout.num_engines), thread_name_prefix="eval")
 
-    def generate(self, input_ids: list[list[int]], params: dict, return_logprob: bool = False,
+    def generate(self, input_ids: list[list[int]], params: dict | list[dict], return_logprob: bool = False,
                  seed: int | None = None) -> list[dict]:
-        """Row i samples with seed + i (one sampling_seed per request, as SGLang takes them)."""
-        per_row = [params if seed is None else params | {"sampling_seed": seed + i} for i in range(len(input_ids))]
+        """Row i samples with seed + i (one sampling_seed per request, as SGLang takes them);
+        params may also be one dict per row, seeds included."""
+        if isinstance(params, list):
+            per_row = params
+        else:
+            per_row = [params if seed is None else params | {"sampling_seed": seed + i} for i in range(len(input_ids))]
         num_shards = max(1, min(len(input_ids), self.engines.num_healthy))
         bounds = [len(input_ids) * i // num_shards for i in range(num_shards + 1)]
         futures = [self.pool.submit(self.engines.router.generate, input_ids[lo:hi], per_row[lo:hi], return_logprob)

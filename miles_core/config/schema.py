@@ -305,6 +305,9 @@ class EvalConfig(Section):
     """Sequences (prompt x sample) per generation batch during evaluation."""
     pass_k: list[int] = [1]
     """k values of pass@k reported for each dataset (only those <= its num_samples_per_prompt)."""
+    use_rollout_generate: bool = False
+    """Evaluate episodes of rollout.generate (e.g. multi-turn: the final answer is scored) instead
+    of one engine call per sample."""
     datasets: list[EvalDatasetConfig] = []
     """Extra held-out datasets evaluated before and after training, besides data.eval_path."""
     interval_steps: int = Field(0, ge=0)
@@ -414,6 +417,9 @@ class RunConfig(Section):
         self._engines_fit()
         self._routing_replay_fits()
         self._teacher_fits()
+        if self.eval.use_rollout_generate and not self.rollout.generate:
+            raise ValueError("eval.use_rollout_generate evaluates with rollout.generate, which is not set: set it "
+                             "(package.module:function) or eval.use_rollout_generate=false")
         self._no_credentials_in_urls()
         return self
 

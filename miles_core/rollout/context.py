@@ -11,9 +11,13 @@ call) holds the next merge back until it calls the engine again or returns.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles_core.data import Prompt
 
 SAMPLE_ONLY = ("sampling_seed",)  # per-sample keys; the rest of the params must agree to share a request
 
@@ -123,4 +127,20 @@ def _request_key(input_ids: list[list[int]], sampling_params: Any, extra: dict[s
         raise ValueError(f"ctx.generate: one call's sampling_params may differ only in {SAMPLE_ONLY}; "
                          "make one call per set of params")
     return repr(sorted(extra.items())), *shared
+
+
+def run_generate_fn(fn: Callable[..., Any], engines: Any, prompts: list[Prompt], params: list[list[dict[str, Any]]],
+                    tokenizer: Any, pool: ThreadPoolExecutor, request_extra: dict[str, Any] | None = None) -> list[Any]:
+    """fn(ctx, prompt, params[i]) for every prompt, concurrently, engine calls merged; the
+    results in prompt order. `engines`: num_healthy and SGLang's batch generate."""
+    client = MergingEngineClient(engines, len(prompts), request_extra or {}, pool)
+
+    def run(position: int) -> Any:
+        try:
+            return fn(RolloutContext(client, position, tokenizer), prompts[position], params[position])
+        finally:
+            client.finished()
+
+    with ThreadPoolExecutor(max_workers=max(1, len(prompts)), thread_name_prefix="generate") as workers:
+        return list(workers.map(run, range(len(prompts))))
 

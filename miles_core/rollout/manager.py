@@ -12,7 +12,7 @@ from miles_core.config import RolloutConfig
 from miles_core.data import Prompt, Sample
 from miles_core.plugins import load_optional
 from miles_core.rewards import get_reward
-from miles_core.rollout.context import MergingEngineClient, RolloutContext
+from miles_core.rollout.context import run_generate_fn
 from miles_core.rollout.remote_reward import RemoteRewardClient
 
 SEED_STRIDE = 1_000_003  # more samples than one batch will ever hold
@@ -91,17 +91,9 @@ class RolloutManager:
         """rollout.generate once per prompt, all concurrently (their engine calls merged)."""
         if self.tokenizer is None:
             raise ValueError("rollout.generate needs the run's tokenizer: pass tokenizer= to RolloutManager")
-        client = MergingEngineClient(self.engines, len(prompts), self.request_extra, self.pool)
-
-        def run(position: int) -> list[Sample]:
-            try:
-                ctx = RolloutContext(client, position, self.tokenizer)
-                return self.custom_generate(ctx, prompts[position], self.sampling_params(self._seeds(position, seed)))
-            finally:
-                client.finished()
-
-        with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="generate") as workers:
-            groups = list(workers.map(run, range(len(prompts))))
+        params = [self.sampling_params(self._seeds(position, seed)) for position in range(len(prompts))]
+        groups = run_generate_fn(self.custom_generate, self.engines, prompts, params, self.tokenizer, self.pool,
+                                 self.request_extra)
         n = self.rollout.num_samples_per_prompt
         for prompt, group in zip(prompts, groups):
             if not isinstance(group, list) or len(group) != n or not all(isinstance(s, Sample) for s in group):

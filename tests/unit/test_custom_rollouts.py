@@ -269,3 +269,37 @@ def test_a_plugin_module_that_fails_to_import_is_reported_on_the_field(tmp_path,
     with pytest.raises(ValueError, match=r"rollout.sample_filter: importing 'broken_plugin_xyz' failed: "
                                          r"RuntimeError: no GPU here"):
         load_plugin("broken_plugin_xyz:keep", "rollout.sample_filter")
+
+
+def test_evaluation_can_score_the_episodes_of_rollout_generate():
+    from miles_core.evaluation import evaluate_dataset
+    from miles_core.rollout import self_correction
+
+    class Engine:
+        tokenizer = TOKENIZER
+
+        def generate(self, input_ids, sampling_params, return_logprob=False, **extra):
+            assert isinstance(sampling_params, (list, dict))
+            return ScriptedEngines().generate(input_ids, sampling_params if isinstance(sampling_params, list)
+                                              else [sampling_params] * len(input_ids))
+
+    prompt = _prompts(1)[0]
+    first = len(prompt.input_ids)  # the scripted first answer: wrong for a label of the retry's length
+    retry = Trajectory(prompt)
+    retry.add_generated(_output(TOKENIZER(str(first), add_special_tokens=False)["input_ids"] + [EOS], [0.0] * 3))
+    feedback = TOKENIZER.apply_chat_template([{"role": "user", "content": "no. 0+1="}], add_generation_prompt=True,
+                                             tokenize=True)
+    prompt.label = str(len(retry.input_ids) + len(list(feedback if isinstance(feedback, list)
+                                                          else feedback["input_ids"])))
+    single = evaluate_dataset(Engine(), [prompt], "exact_match", max_new_tokens=4, batch_size=8)
+    episodes = evaluate_dataset(Engine(), [prompt], "exact_match", max_new_tokens=4, batch_size=8,
+                                generate_fn=self_correction.generate)
+    assert (single["pass@1"], episodes["pass@1"]) == (0.0, 1.0)  # right on the second try
+    assert episodes["examples"][0]["responses"] == [prompt.label]
+
+
+def test_eval_with_rollout_generate_needs_one():
+    with pytest.raises(Exception, match="eval.use_rollout_generate evaluates with rollout.generate"):
+        build_config({}, ["eval.use_rollout_generate=true"])
+    cfg = build_config({}, ["eval.use_rollout_generate=true", "rollout.generate=miles_core.rollout.self_correction:generate"])
+    assert cfg.eval.use_rollout_generate
