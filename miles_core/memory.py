@@ -195,7 +195,7 @@ def trainer_layout(cfg: RunConfig) -> Layout:
     if t.backend == "megatron":
         return Layout(tp=t.megatron.tensor_parallel_size, ep=t.megatron.expert_parallel_size,
                       recompute=t.megatron.recompute_activations, vocab_multiple=MEGATRON_VOCAB_MULTIPLE)
-    return Layout(fsdp=t.dp)
+    return Layout(fsdp=t.dp, recompute=t.fsdp.activation_checkpointing)
 
 
 def estimate_for_config(cfg: RunConfig) -> MemoryEstimate | None:

@@ -148,11 +148,25 @@ class MegatronConfig(Section):
         return self
 
 
+class FSDPConfig(Section):
+    """FSDP2 compute and memory options (used when training.backend is fsdp2)."""
+
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of forward and backward: bfloat16 gathers parameters and computes in bf16 (FSDP2's
+    MixedPrecisionPolicy) while master weights, Adam states and the gradient reduction stay float32.
+    Log-probs then carry bf16 rounding (rollout/train_logprob_abs_diff shows it)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward, keeping only its input: ~1/3 more
+    compute, far less activation memory (the same gradients)."""
+
+
 class TrainingConfig(Section):
     backend: Literal["fsdp2", "megatron"] = "fsdp2"
-    """Training backend: torch FSDP2 or Megatron-LM (options in training.megatron)."""
+    """Training backend: torch FSDP2 (options in training.fsdp) or Megatron-LM (training.megatron)."""
     megatron: MegatronConfig = MegatronConfig()
     """Megatron-LM parallel layout and memory options; ignored by the fsdp2 backend."""
+    fsdp: FSDPConfig = FSDPConfig()
+    """FSDP2 mixed precision and activation checkpointing; ignored by the megatron backend."""
     num_steps: int = Field(40, ge=1)
     """RL steps (rollout -> train -> weight sync) in the run."""
     lr: float = Field(1e-3, gt=0)

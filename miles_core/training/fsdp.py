@@ -11,12 +11,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
+from miles_core.config.schema import FSDPConfig
 from miles_core.data import Sample
 from miles_core.net import free_port
 from miles_core.training import state_io
@@ -49,13 +50,18 @@ def trainer_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _shard(model: torch.nn.Module) -> torch.nn.Module:
-    """fully_shard each decoder layer and the root over all data-parallel ranks."""
+def _shard(model: torch.nn.Module, options: FSDPConfig) -> torch.nn.Module:
+    """fully_shard each decoder layer and the root over all data-parallel ranks, computing in
+    options.compute_dtype (fp32 master weights and gradient reduction)."""
+    if options.activation_checkpointing:  # non-reentrant: what FSDP2's per-layer hooks support
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if _compile_requested():
         compile_decoder_layers(model)
+    policy = {} if options.compute_dtype == "float32" else {"mp_policy": MixedPrecisionPolicy(
+        param_dtype=getattr(torch, options.compute_dtype), reduce_dtype=torch.float32)}
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)
     return model
 
 
@@ -113,7 +119,7 @@ class FSDPTrainer(RLTrainerCore):
         self.training, self.algorithm, self.group_size = training, algorithm, group_size
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = _shard(self._load(AutoModelForCausalLM, model_dir)).train()
+        self.model = _shard(self._load(AutoModelForCausalLM, model_dir), training.fsdp).train()
         self.tied = bool(self.model.config.tie_word_embeddings)
         self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), training.lr)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
@@ -122,7 +128,8 @@ class FSDPTrainer(RLTrainerCore):
             # which would make old values (and the value clip around them) random
             config = AutoConfig.from_pretrained(model_dir, num_labels=1)
             config.classifier_dropout = 0.0
-            self.critic = _shard(self._load(AutoModelForTokenClassification, model_dir, config=config)).train()
+            self.critic = _shard(self._load(AutoModelForTokenClassification, model_dir, config=config),
+                                 training.fsdp).train()
             self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic.parameters(), algorithm.critic_lr)
         self.reference = self._frozen(model_dir) if objectives.needs_reference(algorithm) else None
         self.teacher = self._frozen(teacher_dir) if algorithm.effective_opd_coef > 0 else None
