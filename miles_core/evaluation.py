@@ -23,6 +23,7 @@ from miles_core.data import Prompt, read_prompts
 from miles_core.plugins import load_plugin
 from miles_core.rewards import get_reward
 from miles_core.rollout.context import run_generate_fn
+from miles_core.rollout.router import generate_in_shards
 
 MAX_EXAMPLES = 8
 HELDOUT = "heldout"
@@ -185,11 +186,8 @@ class EngineGroupEval:
             per_row = params
         else:
             per_row = [params if seed is None else params | {"sampling_seed": seed + i} for i in range(len(input_ids))]
-        num_shards = max(1, min(len(input_ids), self.engines.num_healthy))
-        bounds = [len(input_ids) * i // num_shards for i in range(num_shards + 1)]
-        futures = [self.pool.submit(self.engines.router.generate, input_ids[lo:hi], per_row[lo:hi], return_logprob)
-                   for lo, hi in zip(bounds, bounds[1:])]
-        return [out for future in futures for out in future.result()]
+        return generate_in_shards(self.pool, lambda ids, rows: self.engines.router.generate(ids, rows, return_logprob),
+                                  input_ids, per_row, self.engines.num_healthy)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

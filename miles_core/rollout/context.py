@@ -10,11 +10,14 @@ call) holds the next merge back until it calls the engine again or returns.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from miles_core.rollout.router import generate_in_shards
 
 if TYPE_CHECKING:
     from miles_core.data import Prompt
@@ -78,8 +81,9 @@ class MergingEngineClient:
             groups.setdefault(call.key, []).append(call)
         for group in groups.values():
             try:
-                outputs = self._generate_sharded([ids for c in group for ids in c.input_ids],
-                                                 [p for c in group for p in c.sampling_params], group[0].extra)
+                outputs = generate_in_shards(self.pool, functools.partial(self.engines.generate, **group[0].extra),
+                                             [ids for c in group for ids in c.input_ids],
+                                             [p for c in group for p in c.sampling_params], self.engines.num_healthy)
                 if len(outputs) != sum(len(c.input_ids) for c in group):
                     raise RuntimeError(f"the engines answered {len(outputs)} outputs for "
                                        f"{sum(len(c.input_ids) for c in group)} prompts")
@@ -91,14 +95,6 @@ class MergingEngineClient:
             finally:  # no function may wait forever
                 for call in group:
                     call.done.set()
-
-    def _generate_sharded(self, input_ids: list[list[int]], params: list[dict], extra: dict) -> list[dict]:
-        """One request per healthy engine, contiguous shards, concurrently."""
-        num_shards = max(1, min(len(input_ids), self.engines.num_healthy))
-        size = -(-len(input_ids) // num_shards)
-        futures = [self.pool.submit(self.engines.generate, input_ids[i : i + size], params[i : i + size], **extra)
-                   for i in range(0, len(input_ids), size)]
-        return [out for future in futures for out in future.result()]
 
 
 class RolloutContext:

@@ -9,12 +9,24 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from miles_core.rollout.sglang_client import EngineError, SGLangClient
 
 logger = logging.getLogger(__name__)
+
+
+def generate_in_shards(pool: Executor, generate: Callable[[list[list[int]], list[dict]], list[dict]],
+                       input_ids: list[list[int]], sampling_params: list[dict], num_engines: int) -> list[dict]:
+    """`generate` over contiguous shards of the prompts, one per engine (the router sends each
+    to a free one), all in flight at once through `pool`; the outputs in prompt order."""
+    num_shards = max(1, min(len(input_ids), num_engines))
+    bounds = [len(input_ids) * i // num_shards for i in range(num_shards + 1)]
+    futures = [pool.submit(generate, input_ids[lo:hi], sampling_params[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    return [out for future in futures for out in future.result()]
 
 
 class NoHealthyEngine(EngineError):

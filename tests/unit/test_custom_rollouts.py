@@ -156,6 +156,23 @@ def test_multi_turn_calls_are_merged_per_turn_and_each_turn_trains_only_policy_t
         assert s.loss_mask == [1.0] * first + [0.0] * len(no) + [1.0] * (len(s.response_ids) - first - len(no))
 
 
+def test_a_merged_request_is_split_into_one_contiguous_shard_per_engine():
+    module = _plugin_module(two_turns=two_turns)
+    engines = ScriptedEngines()
+    engines.num_healthy = 3
+    prompts = _prompts(12)[7:]  # "10+1=" and "11+1=" are longer: their answers differ
+    samples = _manager(engines, generate=f"{module}:two_turns").generate(prompts, seed=1)
+    assert sorted(engines.requests) == [6, 6, 7, 7, 7, 7]  # 20 sequences a turn over 3 engines
+    # each sample's answer is its own prompt's length: outputs came back in prompt order
+    no = TOKENIZER("no", add_special_tokens=False)["input_ids"]
+    length = {p.index: len(p.input_ids) for p in prompts}
+    assert len(set(length.values())) == 2
+    for s in samples:
+        answer = TOKENIZER(str(length[s.prompt_index]), add_special_tokens=False)["input_ids"] + [EOS]
+        assert s.response_ids[: len(answer)] == answer
+        assert s.response_ids[len(answer) : len(answer) + len(no)] == no
+
+
 def test_a_generate_returning_the_wrong_group_size_fails_naming_the_field():
     module = _plugin_module(short=lambda ctx, prompt, sampling_params: [])
     with pytest.raises(ValueError, match=r"rollout.generate returned list of 0 .* num_samples_per_prompt=4"):
