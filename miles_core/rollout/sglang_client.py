@@ -272,14 +272,15 @@ class SGLangLauncher:
 
     def command(self) -> list[str]:
         # SGLang takes its key only as a flag: it is visible to users of this node (`ps`), never
-        # to the network. It changes per engine group, so a leaked one dies with the run.
-        key = ["--api-key", self.api_key] if self.api_key else []
+        # to the network. It changes per engine group, so a leaked one dies with the run. Joined
+        # with `=`: argparse would take a key that starts with "-" for the next flag.
+        key = [f"--api-key={self.api_key}"] if self.api_key else []
         return [self.python, "-m", self.module, "--model-path", self.model_path,
                 "--host", self.host, "--port", str(self.port), *key, *server_arg_flags(self.server_args)]
 
     def start(self, wait: bool = True, **client_kwargs: Any) -> SGLangClient:
         cmd = self.command()
-        shown = ["<api key>" if self.api_key and arg == self.api_key else arg for arg in cmd]
+        shown = ["--api-key=<api key>" if arg.startswith("--api-key=") else arg for arg in cmd]
         logger.info("launching engine: %s (log %s)", " ".join(shown), self.log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:

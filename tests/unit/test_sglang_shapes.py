@@ -236,3 +236,11 @@ def test_launcher_command_for_sglang():
     assert launcher.command() == ["python", "-m", "sglang.launch_server", "--model-path", "/models/qwen3",
                                   "--host", "127.0.0.1", "--port", "31000", "--tp-size", "2", "--random-seed", "7"]
     assert launcher.url == "http://127.0.0.1:31000"
+
+
+def test_an_api_key_that_starts_with_a_dash_reaches_the_server_intact():
+    from miles_core.rollout.http_server import parse_args
+
+    key = "-Xy_" + "k" * 39  # secrets.token_urlsafe draws "-" first once in 64 engine groups
+    launcher = SGLangLauncher("/models/qwen3", {}, port=31000, api_key=key)
+    assert parse_args(launcher.command()[3:]).api_key == key  # argparse as SGLang's server runs it
