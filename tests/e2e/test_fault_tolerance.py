@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -84,6 +85,18 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def trainer_actors(proc: subprocess.Popen) -> list[int]:
+    """The trainer actor processes of this run (its local Ray's workers descend from it)."""
+    found = []
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "ray::FSDPTrainer" in " ".join(child.cmdline()):
+                found.append(child.pid)
+        except psutil.Error:  # exited since it was listed
+            pass
+    return found
+
+
 def complete_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.parent.name[5:]) for p in (run_dir / "checkpoints").glob("step_*/MANIFEST.json"))
 
@@ -98,10 +111,9 @@ def test_trainer_killed_after_checkpoint_task_retry_resumes(work_dir, uninterrup
     run_dir = work_dir.dir / "killed-trainer"
     proc = miles(work_dir, "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir))
     wait_for(lambda: complete_steps(run_dir), 600, "the first checkpoint", proc)
-    trainer_pids = wait_for(lambda: subprocess.run(["pgrep", "-f", "ray::FSDPTrainer"], capture_output=True,
-                                                   text=True).stdout.split(), 60, "the trainer actor")
+    trainer_pids = wait_for(lambda: trainer_actors(proc), 60, "the trainer actor")
     for pid in trainer_pids:
-        os.kill(int(pid), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     # No checkpoint completes without the trainer, and the retry waits >= 5 s (backoff with
     # jitter): what is complete now is what the retry must resume from.
     time.sleep(2)

@@ -19,11 +19,13 @@ SERVER_MODULE = "miles_core.rollout.http_server"
 NUM_STEPS = 4
 
 
-def server_pids() -> set[int]:
-    """Every engine server process launched as `python -m miles_core.rollout.http_server`."""
+def server_pids(model_dir) -> set[int]:
+    """Every engine server process launched as `python -m miles_core.rollout.http_server` for
+    model_dir (other tests, maybe running beside this one, serve other models)."""
     pids = set()
     for proc in psutil.process_iter(["pid", "cmdline"]):
-        if SERVER_MODULE in " ".join(proc.info["cmdline"] or []):
+        cmdline = proc.info["cmdline"] or []
+        if SERVER_MODULE in cmdline and str(model_dir) in cmdline:
             pids.add(proc.info["pid"])
     return pids
 
@@ -48,7 +50,7 @@ def sglang_config(warm_tiny, extra: list[str] = ()):
 
 
 def test_sglang_engine_run_with_restart_and_dedicated_eval_leaves_no_server(ray_local, tmp_path, warm_tiny):
-    assert not server_pids()
+    assert not server_pids(warm_tiny["warm"])
     # a tiny lr: the periodic evals must score what the warm model scores, so wrong weights on
     # the dedicated engine would show
     cfg = sglang_config(warm_tiny, ["training.lr=1e-7", "eval.interval_steps=2", "eval.periodic_engines=dedicated",
@@ -56,7 +58,7 @@ def test_sglang_engine_run_with_restart_and_dedicated_eval_leaves_no_server(ray_
     seen: dict[int, set[int]] = {}
 
     def kill_a_server(state):
-        seen[state.step] = server_pids()
+        seen[state.step] = server_pids(warm_tiny["warm"])
         if state.step == 1:  # SIGKILL one server: the next rollout finds it dead and restarts it
             os.kill(min(seen[1]), signal.SIGKILL)
 
@@ -75,20 +77,20 @@ def test_sglang_engine_run_with_restart_and_dedicated_eval_leaves_no_server(ray_
     warm_score = evaluate_all(cfg, warm_tiny["warm"], warm_tiny["eval"])["heldout"]["pass@1"]
     assert [e["step"] for e in result.periodic_eval] == [2, 4]
     assert all(abs(e["eval/periodic/heldout/pass_at_1"] - warm_score) <= 0.05 for e in result.periodic_eval)
-    assert not wait_gone(set().union(*seen.values()) | server_pids())  # no server outlived the run
+    assert not wait_gone(set().union(*seen.values()) | server_pids(warm_tiny["warm"]))  # no server outlived the run
 
 
 def test_a_killed_engine_actor_takes_its_server_with_it(ray_local, warm_tiny):
     """ray.kill runs no shutdown hook: the server, a child of the actor, must not keep its GPU."""
     engines = EngineGroup(sglang_config(warm_tiny), str(warm_tiny["warm"]))
     try:
-        [pid] = server_pids()
+        [pid] = server_pids(warm_tiny["warm"])
         assert engines.router.slots[0].client.weight_version() == "0"
         # the server was started with the group's key, and requires it
-        assert engines.api_key in psutil.Process(pid).cmdline()
+        assert f"--api-key={engines.api_key}" in psutil.Process(pid).cmdline()
         assert requests.get(engines.urls[0] + "/model_info", timeout=10).status_code == 401
         ray.kill(engines.actors[0], no_restart=True)
         assert not wait_gone({pid})
     finally:
         engines.shutdown()
-    assert not server_pids()
+    assert not server_pids(warm_tiny["warm"])
