@@ -43,8 +43,10 @@ def warm(warm_tiny, tmp_path_factory):
     """The recipe's warmed-up tiny model (shared by the session), on this module's Ray."""
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     tokenizer = AutoTokenizer.from_pretrained(warm_tiny["base"])
+    eval_prompts = read_prompts(warm_tiny["eval"], warm_tiny["cfg"].data, tokenizer)
     yield {"root": tmp_path_factory.mktemp("algos"), "base": warm_tiny["base"], "warm": warm_tiny["warm"],
-           "train": warm_tiny["train"], "eval": read_prompts(warm_tiny["eval"], warm_tiny["cfg"].data, tokenizer)}
+           "train": warm_tiny["train"], "eval": eval_prompts,
+           "before": accuracy(warm_tiny["warm"], eval_prompts)}  # every run starts from these weights
     ray.shutdown()
 
 
@@ -63,7 +65,7 @@ def run(warm, name, overrides, model_dir, steps=RL_STEPS, run_name=None, recipe=
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_objective_raises_heldout_accuracy(warm, name):
-    before = accuracy(warm["warm"], warm["eval"])
+    before = warm["before"]
     result = run(warm, name.split("@")[0], ALGORITHMS[name], warm["warm"], run_name=name)
     after = accuracy(result.hf_export_dir, warm["eval"])
     rewards = [h["rollout/reward_mean"] for h in result.history]
@@ -84,7 +86,7 @@ MIN_MULTITURN_REWARD_RISE = 0.03
 def test_multiturn_recipe_learns(warm):
     """configs/local-multiturn.yaml (answer, feedback, second answer): the episode reward rises,
     and single-turn held-out accuracy does not fall."""
-    before = accuracy(warm["warm"], warm["eval"])
+    before = warm["before"]
     result = run(warm, "grpo", [], warm["warm"], run_name="multiturn", recipe="configs/local-multiturn.yaml")
     after = accuracy(result.hf_export_dir, warm["eval"])
     rewards = [h["rollout/reward_mean"] for h in result.history]
