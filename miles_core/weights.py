@@ -19,6 +19,9 @@ from miles_core.rollout.sglang_client import SGLangClient
 from miles_core.weight_layout import checkpoint_layout
 
 Target = tuple[Any, str]  # (engine actor handle, engine base URL)
+# Transports that keep state per engine (a mapped buffer, a process group) compare targets as
+# given: Ray actor handles are equal exactly when they name the same actor, so an engine
+# restarted at its old URL (a new actor) counts as a new member, with no call to ask.
 
 
 class WeightTransport(Protocol):
@@ -67,21 +70,20 @@ class SharedMemoryTransport:
 
     def __init__(self, engine_dtype: str = "float32", verify: bool = False, **_: Any):
         self.engine_dtype, self.verify = engine_dtype, verify
-        self.members: tuple[tuple[str, int], ...] = ()
+        self.members: tuple[Target, ...] = ()
 
     def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
         import ray
 
         started = time.perf_counter()
-        urls = tuple(zip((url for _, url in targets), ray.get([actor.pid.remote() for actor, _ in targets])))
-        if urls != self.members:
+        if tuple(targets) != self.members:
             self.members = ()
             handle = ray.get(trainer.share_weights.remote(self.engine_dtype))
             try:
                 _check(ray.get([actor.map_shared_weights.remote(handle) for actor, _ in targets]), version)
             finally:  # mapped or not, the file must not outlive this call (a killed trainer cannot remove it)
                 ray.get(trainer.unlink_shared_weights.remote())
-            self.members = urls
+            self.members = tuple(targets)
         else:
             ray.get(trainer.write_shared_weights.remote())
         written = time.perf_counter()
@@ -127,20 +129,21 @@ class BroadcastTransport:
                  api_key: str | None = None, engine_dtype: str | None = None, **_: Any):
         self.bucket_bytes, self.verify, self.ranks_per_engine = bucket_megabytes << 20, verify, ranks_per_engine
         self.api_key, self.engine_dtype = api_key, engine_dtype
-        self.members: tuple[str, ...] = ()
+        self.members: tuple[Target, ...] = ()
         self.generation = 0
 
     def _group_name(self) -> str:
         return f"miles-weights-{self.generation}"
 
-    def _connect(self, trainer: Any, urls: tuple[str, ...]) -> None:
+    def _connect(self, trainer: Any, targets: tuple[Target, ...]) -> None:
         import ray
 
         if self.members:
             ray.get(trainer.close_weight_broadcast.remote())
-            for url in self.members:
-                if url in urls:
-                    SGLangClient(url, api_key=self.api_key).destroy_weights_update_group(self._group_name())
+            for target in self.members:
+                if target in targets:  # the same engine process: it still holds the old group
+                    SGLangClient(target[1], api_key=self.api_key).destroy_weights_update_group(self._group_name())
+        urls = [url for _, url in targets]
         self.generation += 1
         address, port = ray.get(trainer.weight_broadcast_endpoint.remote())
         offsets, world = broadcast_rank_layout(len(urls), self.ranks_per_engine)
@@ -151,17 +154,17 @@ class BroadcastTransport:
                 address, port, item[0], world, self._group_name(), backend), zip(offsets, urls)))
         ray.get(sender)
         _check(results, 0)
-        self.members = urls
+        self.members = targets
 
     def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
         import ray
 
         started = time.perf_counter()
-        urls = tuple(url for _, url in targets)
-        if urls != self.members:
-            self._connect(trainer, urls)
+        if tuple(targets) != self.members:
+            self._connect(trainer, tuple(targets))
         connected = time.perf_counter()
-        sent_bytes = ray.get(trainer.broadcast_weights.remote(list(urls), self._group_name(), str(version),
+        urls = [url for _, url in targets]
+        sent_bytes = ray.get(trainer.broadcast_weights.remote(urls, self._group_name(), str(version),
                                                              self.bucket_bytes, self.api_key, self.engine_dtype))
         done = time.perf_counter()
         if self.verify:

@@ -1,0 +1,102 @@
+"""Weight transports' bookkeeping of engines. The broadcast group's rank layout: SGLang joins
+every TP rank of an engine at rank_offset + tp_rank, so offsets are cumulative and the world is
+1 + all engine ranks. Transports with per-engine state (a process group, a mapped buffer) set it
+up again for an engine restarted at its old URL."""
+
+import pytest
+import ray
+
+from miles_core.weights import BroadcastTransport, SharedMemoryTransport, broadcast_rank_layout
+
+OK = {"success": True}
+
+
+def test_rank_layout_counts_every_tp_rank():
+    assert broadcast_rank_layout(3, 1) == ([1, 2, 3], 4)
+    assert broadcast_rank_layout(2, 4) == ([1, 5], 9)
+
+
+class _Method:
+    def __init__(self, result):
+        self.result = result
+
+    def remote(self, *args):
+        return self.result(*args) if callable(self.result) else self.result
+
+
+class _Trainer:
+    def __init__(self):
+        self.opened = None
+        self.calls: list[str] = []
+        self.weight_broadcast_endpoint = _Method(("10.0.0.1", 29500))
+        self.broadcast_backend = _Method("nccl")
+        self.open_weight_broadcast = _Method(lambda *args: setattr(self, "opened", args))
+        self.close_weight_broadcast = self._record("close_weight_broadcast")
+        self.broadcast_weights = self._record("broadcast_weights", 1000)
+        self.share_weights = self._record("share_weights", "handle")
+        self.unlink_shared_weights = self._record("unlink_shared_weights")
+        self.write_shared_weights = self._record("write_shared_weights")
+
+    def _record(self, name, result=None):
+        return _Method(lambda *args: self.calls.append(name) or result)
+
+
+class _Engine:
+    """An engine actor: a new object per (re)start, as Ray makes a new actor handle."""
+
+    def __init__(self):
+        self.mapped = []
+        self.map_shared_weights = _Method(lambda handle: self.mapped.append(handle) or OK)
+        self.load_shared_weights = _Method(OK)
+
+
+@pytest.fixture
+def engine_http(monkeypatch):
+    """ray.get returns what it is given; the engines' group routes are recorded."""
+    calls = []
+    monkeypatch.setattr(ray, "get", lambda ref, **_: ref)
+    monkeypatch.setattr("miles_core.weights.SGLangClient.init_weights_update_group",
+                        lambda self, *args: calls.append(("init", self.base_url)) or OK)
+    monkeypatch.setattr("miles_core.weights.SGLangClient.destroy_weights_update_group",
+                        lambda self, *args: calls.append(("destroy", self.base_url)) or OK)
+    return calls
+
+
+def test_each_engine_joins_at_its_offset_in_a_world_of_all_ranks(monkeypatch):
+    joined = []
+    monkeypatch.setattr(ray, "get", lambda ref, **_: ref)
+    monkeypatch.setattr("miles_core.weights.SGLangClient.init_weights_update_group",
+                        lambda self, *args: joined.append((self.base_url, *args)) or {"success": True})
+    trainer = _Trainer()
+    targets = tuple((_Engine(), url) for url in ("http://a", "http://b", "http://c"))
+    BroadcastTransport(ranks_per_engine=2)._connect(trainer, targets)
+    world = 7  # the trainer and three engines of tp 2
+    assert trainer.opened == ("10.0.0.1", 29500, world, "miles-weights-1")
+    assert [(url, offset, size) for url, _, _, offset, size, _, _ in joined] == [
+        ("http://a", 1, world), ("http://b", 3, world), ("http://c", 5, world)]
+
+
+def test_broadcast_rebuilds_its_group_for_an_engine_restarted_at_its_old_url(engine_http):
+    trainer, transport = _Trainer(), BroadcastTransport()
+    targets = [(_Engine(), "http://a"), (_Engine(), "http://b")]
+    transport.push(trainer, targets, 1)
+    transport.push(trainer, targets, 2)
+    assert engine_http == [("init", "http://a"), ("init", "http://b")]  # one group for both pushes
+    engine_http.clear()
+    targets[0] = (_Engine(), "http://a")  # restarted: a new process that never joined a group
+    transport.push(trainer, targets, 3)
+    # only the engine that still holds the old group is asked to leave it; both join the new one
+    assert engine_http == [("destroy", "http://b"), ("init", "http://a"), ("init", "http://b")]
+    assert trainer.calls.count("broadcast_weights") == 3
+
+
+def test_shared_memory_maps_a_fresh_buffer_for_an_engine_restarted_at_its_old_url(engine_http):
+    trainer, transport = _Trainer(), SharedMemoryTransport()
+    first, other = _Engine(), _Engine()
+    transport.push(trainer, [(first, "http://a"), (other, "http://b")], 1)
+    transport.push(trainer, [(first, "http://a"), (other, "http://b")], 2)
+    assert trainer.calls == ["share_weights", "unlink_shared_weights", "write_shared_weights"]
+    restarted = _Engine()
+    transport.push(trainer, [(restarted, "http://a"), (other, "http://b")], 3)
+    assert trainer.calls[3:] == ["share_weights", "unlink_shared_weights"]
+    assert (first.mapped, restarted.mapped, other.mapped) == (["handle"], ["handle"], ["handle", "handle"])
