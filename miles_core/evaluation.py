@@ -9,6 +9,7 @@ command (eval.mode=external_command).
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import subprocess
@@ -186,8 +187,8 @@ class EngineGroupEval:
             per_row = params
         else:
             per_row = [params if seed is None else params | {"sampling_seed": seed + i} for i in range(len(input_ids))]
-        return generate_in_shards(self.pool, lambda ids, rows: self.engines.router.generate(ids, rows, return_logprob),
-                                  input_ids, per_row, self.engines.num_healthy)
+        generate = functools.partial(self.engines.router.generate, return_logprob=return_logprob)
+        return generate_in_shards(self.pool, generate, input_ids, per_row, self.engines.num_healthy)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

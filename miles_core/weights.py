@@ -76,14 +76,15 @@ class SharedMemoryTransport:
         import ray
 
         started = time.perf_counter()
-        if tuple(targets) != self.members:
+        targets = tuple(targets)
+        if targets != self.members:
             self.members = ()
             handle = ray.get(trainer.share_weights.remote(self.engine_dtype))
             try:
                 _check(ray.get([actor.map_shared_weights.remote(handle) for actor, _ in targets]), version)
             finally:  # mapped or not, the file must not outlive this call (a killed trainer cannot remove it)
                 ray.get(trainer.unlink_shared_weights.remote())
-            self.members = tuple(targets)
+            self.members = targets
         else:
             ray.get(trainer.write_shared_weights.remote())
         written = time.perf_counter()
@@ -160,8 +161,9 @@ class BroadcastTransport:
         import ray
 
         started = time.perf_counter()
-        if tuple(targets) != self.members:
-            self._connect(trainer, tuple(targets))
+        targets = tuple(targets)
+        if targets != self.members:
+            self._connect(trainer, targets)
         connected = time.perf_counter()
         urls = [url for _, url in targets]
         sent_bytes = ray.get(trainer.broadcast_weights.remote(urls, self._group_name(), str(version),
