@@ -180,3 +180,33 @@ def sft_warmup(model_dir: Path, train_path: Path, steps: int, work_dir: Path, de
     os.replace(str(out) + ".tmp", out)
     log(f"SFT warm-up: {steps} steps in {time.perf_counter() - started:.1f} s, last loss {loss:.3f} -> {out}")
     return out
+
+
+def copy_floor_seconds(model_dir: Path, engine_dtype: str) -> float:
+    """One `torch._foreach_copy_` of the model's weights (float32, as the trainer holds them) into
+    tensors of the engine's dtype, on the device the run used: the floor a sync is measured against."""
+    import torch
+    from safetensors.torch import load_file
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    source = [t.to(device, torch.float32) for t in load_file(str(model_dir / "model.safetensors")).values()]
+    target = [torch.empty_like(t, dtype=getattr(torch, engine_dtype)) for t in source]
+    seconds = []
+    for _ in range(10):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        torch._foreach_copy_(target, source)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return median(seconds[2:])
+
+
+def colocated_overrides(gpu: bool, transport: str) -> list[str]:
+    """One trainer and one embedded engine sharing the machine (on a GPU: fractional bundles of
+    one GPU, bf16 engine), exactly as `miles run` places a colocated run."""
+    return [f"training.gpus_per_trainer={0.5 if gpu else 0}", "training.cpus_per_trainer=4", "training.num_threads=4",
+            f"rollout.gpus_per_engine={0.4 if gpu else 0}", "rollout.cpus_per_engine=4",
+            f"model.dtype={'bfloat16' if gpu else 'float32'}", f"rollout.weight_transport={transport}",
+            "placement.layout=colocated"]

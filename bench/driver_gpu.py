@@ -18,33 +18,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import log, median, prepare_data, prepare_model, rounded, setup_env
+from _common import colocated_overrides, copy_floor_seconds, log, median, prepare_data, prepare_model, rounded, setup_env
 
 BREAKDOWN = ("time/step_seconds", "time/rollout_seconds", "time/rollout_wait_seconds", "time/train_seconds",
              "weights/sync_seconds", "weights/shared_write_seconds", "weights/shared_load_seconds",
              "rollout/tokens_per_second", "train/tokens_per_second",
              "rollout/reward_mean", "train/loss")
-
-
-def copy_floor_seconds(model_dir: Path, engine_dtype: str) -> float:
-    """One `torch._foreach_copy_` of the model's weights (float32, as the trainer holds them) into
-    tensors of the engine's dtype, on the device the run used: the floor a sync is measured against."""
-    import torch
-    from safetensors.torch import load_file
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    source = [t.to(device, torch.float32) for t in load_file(str(model_dir / "model.safetensors")).values()]
-    target = [torch.empty_like(t, dtype=getattr(torch, engine_dtype)) for t in source]
-    seconds = []
-    for _ in range(10):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        torch._foreach_copy_(target, source)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - started)
-    return median(seconds[2:])
 
 
 def main() -> None:
@@ -71,12 +50,9 @@ def main() -> None:
     model_dir, train_path = prepare_model(args.model, work), prepare_data(work)
     cfg = local_config([
         f"training.num_steps={args.steps}", f"training.micro_batch_size={args.micro_batch}",
-        f"training.gpus_per_trainer={0.5 if gpu else 0}", "training.cpus_per_trainer=4", "training.num_threads=4",
-        f"rollout.gpus_per_engine={0.4 if gpu else 0}", "rollout.cpus_per_engine=4",
-        f"model.dtype={'bfloat16' if gpu else 'float32'}",
         f"rollout.num_prompts_per_step={args.prompts}", f"rollout.num_samples_per_prompt={args.samples}",
-        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.weight_transport={args.transport}",
-        f"checkpoint.interval_steps={args.steps}", "rollout.request_timeout_seconds=900", "placement.layout=colocated",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"checkpoint.interval_steps={args.steps}",
+        "rollout.request_timeout_seconds=900", *colocated_overrides(gpu, args.transport),
     ])
     ray.init(num_cpus=12, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=True)
     log(f"ray up: {ray.cluster_resources()}")

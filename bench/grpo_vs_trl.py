@@ -11,7 +11,7 @@ Modes for "ours":
              loop, object-store weight sync); ours and TRL alternate run by run (--repeats).
 
 TRL: GRPOTrainer(use_vllm=False) with one generation of P*G completions per optimizer step
-(per_device_train_batch_size = generation_batch_size = P*G, no accumulation); each optimizer
+(generation_batch_size = P*G, per_device_train_batch_size = --micro-batch, accumulated); each optimizer
 step is timed from on_step_begin to on_step_end. The first --skip steps of each are dropped.
 Progress goes to stderr; the last stdout line is the JSON result.
 """
@@ -41,6 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=32, help="P: prompts per step")
     p.add_argument("--samples", type=int, default=8, help="G: samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=6, help="L: max generation length")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="rows per forward/backward on both sides, accumulated to one optimizer step (default: P*G)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="bfloat16: fp32 master weights with bf16 compute on both sides (TRL bf16=True; ours "
+                        "training.fsdp.compute_dtype and a bf16 engine)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both frameworks)")
     p.add_argument("--sft-steps", type=int, default=None,
@@ -56,12 +61,21 @@ OURS_MODES = {"inprocess": "FSDPTrainer.train_step + EmbeddedEngine.generate (Ro
               "ray": "run_training on local Ray (sync loop, object_store weight sync), runs alternating with TRL's"}
 
 
+def micro_batch(args: argparse.Namespace) -> int:
+    rows = args.prompts * args.samples
+    size = args.micro_batch or rows
+    if rows % size:
+        raise SystemExit(f"--micro-batch {size} must divide P*G = {rows}")
+    return size
+
+
 def ours_config(args: argparse.Namespace, num_steps: int):
-    return c.local_config([
+    bf16 = ["model.dtype=bfloat16", "training.fsdp.compute_dtype=bfloat16"] if args.dtype == "bfloat16" else []
+    return c.local_config([*bf16,
         f"training.num_steps={num_steps}", f"training.lr={args.lr}", f"training.num_threads={args.threads}",
         f"rollout.num_prompts_per_step={args.prompts}", f"rollout.num_samples_per_prompt={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.loop=sync", "checkpoint.interval_steps=100000",
-        f"training.micro_batch_size={args.prompts * args.samples}"])
+        f"training.micro_batch_size={micro_batch(args)}"])
 
 
 # ---- ours, in-process ------------------------------------------------------------------------
@@ -199,14 +213,15 @@ def trl_config(args, cfg, max_steps: int, out_dir: Path):
 
     a, t = cfg.algorithm, cfg.training
     return GRPOConfig(
-        output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=args.prompts * args.samples,
-        gradient_accumulation_steps=1, generation_batch_size=args.prompts * args.samples,
+        output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=micro_batch(args),
+        gradient_accumulation_steps=args.prompts * args.samples // micro_batch(args),
+        generation_batch_size=args.prompts * args.samples,
         num_generations=args.samples, max_completion_length=args.max_new_tokens,
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, learning_rate=args.lr,
         lr_scheduler_type="constant", optim="adamw_torch", adam_beta1=t.adam_betas[0], adam_beta2=t.adam_betas[1],
         weight_decay=t.weight_decay, max_grad_norm=t.grad_clip, epsilon=a.eps_clip_low, epsilon_high=a.eps_clip_high,
         beta=0.0, loss_type="dapo", scale_rewards="group", use_vllm=False, report_to=[], logging_steps=1,
-        save_strategy="no", bf16=False, fp16=False, use_cpu=args.device == "cpu", seed=cfg.seed,
+        save_strategy="no", bf16=args.dtype == "bfloat16", fp16=False, use_cpu=args.device == "cpu", seed=cfg.seed,
         gradient_checkpointing=args.trl_gradient_checkpointing, disable_tqdm=True, dataloader_pin_memory=False)
 
 
@@ -286,7 +301,8 @@ def main(argv=None) -> dict:
         "steps": len(ours), "steps_trl": len(trl), "skipped_warmup_steps": args.skip,
         "batch": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
                   "completions_per_step": args.prompts * args.samples},
-        "max_new_tokens": args.max_new_tokens, "lr": args.lr, "model": args.model, "device": args.device,
+        "max_new_tokens": args.max_new_tokens, "micro_batch": micro_batch(args), "dtype": args.dtype, "lr": args.lr,
+        "model": args.model, "device": args.device,
         "mode": args.mode, "start_model": "random" if args.sft_steps == 0 else f"sft_warmup_{args.sft_steps}_steps",
         "threads": args.threads, "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
         "ours_measured": OURS_MODES[args.mode], "ours": o, "trl": t,

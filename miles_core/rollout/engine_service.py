@@ -192,23 +192,36 @@ class EngineService:
         """Copy (a subset of) HF-named tensors into the live model. Callers hold self.lock.
         Over HTTP only checkpoint names are taken (SGLang's loaders skip transformers' fused
         MoE expert names without an error); in-process tensors may use either layout."""
+        targets = self.resolve_targets(tensors, checkpoint_names_only)
+        if isinstance(targets, str):
+            return weight_result(False, targets)
+        return self.copy_into(targets, list(tensors.values()), weight_version, flush_cache)
+
+    def resolve_targets(self, tensors: dict[str, torch.Tensor],
+                        checkpoint_names_only: bool = True) -> list[torch.Tensor] | str:
+        """The live model's tensors these names and shapes load into, in order; or why not.
+        A caller that loads the same names every time (the shared buffer) resolves them once."""
         live = self.engine.model.state_dict()  # shares storage with the parameters
         state = checkpoint_layout(live)  # per-expert MoE names: views into the fused experts
         if not checkpoint_names_only:
             state |= live
         unknown = sorted(set(tensors) - set(state))
         if unknown:
-            return weight_result(False, f"unknown parameter names: {unknown[:5]}")
+            return f"unknown parameter names: {unknown[:5]}"
         wrong = [n for n, t in tensors.items() if tuple(t.shape) != tuple(state[n].shape)]
         if wrong:
-            return weight_result(False, f"shape mismatch for {wrong[:5]}")
-        with torch.no_grad():
-            names = list(tensors)
-            torch._foreach_copy_([state[n] for n in names], [tensors[n] for n in names])
+            return f"shape mismatch for {wrong[:5]}"
+        return [state[n] for n in tensors]
+
+    @torch.no_grad()
+    def copy_into(self, targets: list[torch.Tensor], sources: list[torch.Tensor], weight_version: str | None,
+                  flush_cache: bool = True) -> dict:
+        """One fused copy of resolved sources into their targets. Callers hold self.lock."""
+        torch._foreach_copy_(targets, sources)
         if weight_version is not None:
             self.engine.weight_version = str(weight_version)
         self.stale_cache_version = None if flush_cache else self.engine.weight_version
-        return weight_result(True, f"updated {len(tensors)} tensors; weight version {self.engine.weight_version}")
+        return weight_result(True, f"updated {len(targets)} tensors; weight version {self.engine.weight_version}")
 
     def update_from_disk(self, body: dict) -> dict:
         model_path = body.get("model_path", "")

@@ -228,6 +228,8 @@ class ServerHandle:
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}"
         self.shared: SharedWeights | None = None
+        self._shared_pairs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        """(live tensors, buffer views) of the mapped buffer, resolved once at mapping."""
 
     @property
     def engine(self) -> EmbeddedEngine | None:
@@ -249,16 +251,22 @@ class ServerHandle:
             return self.service.load_tensors(named_tensors, weight_version, checkpoint_names_only=False)
 
     def map_shared_weights(self, handle: BufferHandle) -> dict:
-        """Map the trainer's shared weight buffer (the shared-memory transport)."""
-        self.shared = SharedWeights.open(handle)
-        return weight_result(True, f"mapped {len(self.shared.views)} shared tensors")
+        """Map the trainer's shared weight buffer (the shared-memory transport) and resolve,
+        once, which live tensor each of its views loads into."""
+        shared = SharedWeights.open(handle)
+        with self.service.lock:
+            targets = self.service.resolve_targets(shared.views, checkpoint_names_only=False)
+        if isinstance(targets, str):
+            return weight_result(False, targets)
+        self.shared, self._shared_pairs = shared, (targets, list(shared.views.values()))
+        return weight_result(True, f"mapped {len(shared.views)} shared tensors")
 
     def load_shared_weights(self, weight_version: str) -> dict:
         """Copy the mapped buffer into the model, under the engine lock like any update."""
         if self.shared is None:
             return weight_result(False, "no shared weight buffer mapped; call map_shared_weights first")
         with self.service.lock:
-            result = self.service.load_tensors(self.shared.views, weight_version, checkpoint_names_only=False)
+            result = self.service.copy_into(*self._shared_pairs, weight_version)
             if self.shared.flat.is_cuda:  # the trainer's next write must not race this copy
                 torch.cuda.current_stream().synchronize()
             return result

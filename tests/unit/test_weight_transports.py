@@ -100,3 +100,32 @@ def test_shared_memory_maps_a_fresh_buffer_for_an_engine_restarted_at_its_old_ur
     transport.push(trainer, [(restarted, "http://a"), (other, "http://b")], 3)
     assert trainer.calls[3:] == ["share_weights", "unlink_shared_weights"]
     assert (first.mapped, restarted.mapped, other.mapped) == (["handle"], ["handle"], ["handle", "handle"])
+
+
+def test_an_engine_maps_a_shared_buffer_once_and_loads_each_write(tiny_model_dir):
+    """The engine side of a shared-memory sync on a real server: names and shapes are checked
+    when the buffer is mapped (a buffer laid out for another model is refused there), and every
+    load copies what the trainer last wrote."""
+    import torch
+
+    from miles_core.rollout.http_server import serve
+    from miles_core.shared_weights import SharedWeights
+
+    with serve(tiny_model_dir) as server:
+        live = dict(server.engine.model.named_parameters())
+        weights = {name: torch.randn_like(p) for name, p in live.items()}
+        trainer_side = SharedWeights.create(weights, torch.float32)
+        wrong = SharedWeights.create({"model.not_a_layer.weight": torch.zeros(3)}, torch.float32)
+        try:
+            refused = server.map_shared_weights(wrong.handle)
+            assert not refused["success"] and "not_a_layer" in refused["message"]
+            assert server.map_shared_weights(trainer_side.handle)["success"]
+            for version in ("1", "2"):
+                trainer_side.write(weights)
+                assert server.load_shared_weights(version)["success"]
+                assert all(torch.equal(live[n], weights[n]) for n in weights)
+                weights = {name: t + 1 for name, t in weights.items()}
+            assert server.engine.weight_version == "2"
+        finally:
+            trainer_side.close()
+            wrong.close()
