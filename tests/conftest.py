@@ -13,6 +13,29 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
 
+def run_env(prefect_api: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a `miles ...` subprocess: this process's, without the Prefect and
+    MLflow settings other tests may have set, with the repo importable. Given `prefect_api`
+    (the fixture), runs use that server, as under a user's stack; without it each run starts
+    Prefect's temporary server under its work dir, as a bare `miles run` does."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "MLFLOW_TRACKING_URI"}
+    return {**env, "PYTHONPATH": str(REPO), **(prefect_api or {}), **extra}
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """The Prefect server of `miles stack up`, started once for the session: each run given its
+    PREFECT_API_URL (run_env) skips starting a temporary server of its own, 5-12 s."""
+    from infra import stack
+
+    state_dir = tmp_path_factory.mktemp("prefect-stack")
+    info = stack.start_stack(state_dir, services=["prefect"], timeout=240)
+    try:
+        yield {"PREFECT_API_URL": info.env["PREFECT_API_URL"]}
+    finally:
+        stack.stop_stack(state_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A built-in tiny model (random weights) shared by the unit tests."""

@@ -1,7 +1,6 @@
 """The whole rl-posttrain flow on the embedded default, as a user runs it: `miles run`."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_env
 
 pytestmark = pytest.mark.e2e
 STEPS = 200  # configs/local.yaml
@@ -19,11 +18,8 @@ STEPS = 200  # configs/local.yaml
 @pytest.fixture(scope="module")
 def finished_run(isolated, shared_work_dir):
     run_dir, sets = isolated.dir / "run", isolated.sets
-    # Runs get their Prefect home under the work dir (other tests may set PREFECT_* here).
-    # Runs get Ray's auth as a user's shell does: none set, so `miles run` draws a token.
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_AUTH"))},
-           "PYTHONPATH": str(REPO)}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    # As a bare `miles run`: Prefect's temporary server, and no Ray auth set (the run draws a token).
+    env = {k: v for k, v in run_env().items() if not k.startswith("RAY_AUTH")}
     cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir),
            *[x for o in sets for x in ("--set", o)]]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -9,7 +9,6 @@ held-out accuracy not falling; the full recipe's gain is the FSDP2 flow test's a
 """
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -74,11 +73,9 @@ def drive(work: str, own: str, out_json: str) -> None:
 def runs(shared_work_dir, isolated):
     work, own = shared_work_dir, isolated.dir
     out = own / "result.json"
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
-    env.pop("MLFLOW_TRACKING_URI", None)
     code = f"from tests.e2e.test_megatron_flow import drive; drive({str(work)!r}, {str(own)!r}, {str(out)!r})"
     # one stream, so that the run markers and Prefect's log lines stay in order
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=isolated.env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=900)
     (own / "driver.log").write_text(proc.stdout)  # kept for debugging a failed assertion
     assert proc.returncode == 0, proc.stdout[-4000:]

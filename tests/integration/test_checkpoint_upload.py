@@ -23,7 +23,7 @@ from miles_core import checkpoint as ckpt
 from miles_core import uploads
 from miles_core.config import CheckpointConfig
 from miles_core.errors import is_retryable
-from tests.conftest import REPO
+from tests.conftest import REPO, run_env
 
 MiB = 1 << 20
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "te", "upgrade"}
@@ -350,12 +350,10 @@ def test_permanent_failure_surfaces_and_keeps_previous_latest(s3_store, tmp_path
 
 
 @pytest.mark.e2e
-def test_flow_survives_store_faults_and_resumes_from_store(s3_store, tmp_path):
+def test_flow_survives_store_faults_and_resumes_from_store(s3_store, prefect_api, tmp_path):
     """`miles run` with an S3 store that fails and hangs, then `--resume` on a fresh run dir."""
     store_uri, proxy, client = s3_store
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO),
-           **s3_env(proxy.url)}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    env = run_env(prefect_api, **s3_env(proxy.url))
     sets = ["training.num_steps=10", "checkpoint.interval_steps=5", "warmup.sft_steps=0",
             "rollout.num_prompts_per_step=8", "rollout.num_samples_per_prompt=4",
             "data.builtin.num_eval=40", f"storage.object_store_uri={store_uri}",

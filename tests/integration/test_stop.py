@@ -5,7 +5,6 @@ replies, as a wedged endpoint or proxy does.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 
 from miles_core import preflight as preflight_module
 from miles_core.config import load_config
-from tests.conftest import REPO
+from tests.conftest import REPO, run_env
 
 
 @pytest.fixture
@@ -69,8 +68,7 @@ def test_preflight_names_a_hub_that_does_not_answer(wedged_hub, monkeypatch, tmp
 def test_sigterm_stops_a_run_whose_download_hangs(wedged_hub, tmp_path):
     wedged_hub(2)  # the CLI's and the flow's preflight get answers; the download hangs
     work = tmp_path / "work"
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, "PYTHONPATH": str(REPO)}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    env = run_env()  # Prefect's temporary server: the run must stop it
     cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "configs/local.yaml"),
            "--set", "model.source=hf://org/tiny", "--set", f"storage.work_dir={work}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
