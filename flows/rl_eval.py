@@ -17,7 +17,6 @@ from prefect.runtime import flow_run
 
 from miles_core import artifacts, reports, tracking
 from miles_core.config import Override, RunConfig, load_config
-from miles_core.run import actor_modules
 from tasks.artifacts import prepare_data
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate
@@ -39,8 +38,7 @@ def rl_eval(checkpoint_uri: str, config_path: str = "configs/local.yaml",
     uri, run_id = tracking.start_or_attach_run(cfg, run_key, {"miles.eval_of": checkpoint_uri})
     try:
         model_dir = fetch_model(checkpoint_uri, cfg, str(work))
-        ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir,
-                   actor_modules(cfg, with_trainer=False))
+        ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir)
         results = evaluate(cfg, model_dir, prepare_data(cfg).eval_path, "eval")
         reports.log_eval_metrics(uri, run_id, "after", results, step=0)
         reports.log_report(uri, run_id, None, results, [])

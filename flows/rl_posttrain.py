@@ -17,7 +17,6 @@ from miles_core.artifacts import ModelArtifact
 from miles_core.config import Override, RunConfig, load_config
 from miles_core.driver import TrainSpec
 from miles_core.preflight import preflight
-from miles_core.run import actor_modules
 from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, prepare_teacher, sft_warmup
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate
@@ -122,7 +121,7 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Overri
     with timer("prepare_data"):
         data = prepare_data(cfg)
     with timer("ensure_ray"):
-        ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir, actor_modules(cfg))
+        ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir)
     with timer("sft_warmup"):
         warmed = sft_warmup(cfg, model, data)
     with timer("prepare_teacher"):

@@ -9,13 +9,9 @@ plan` can print exactly what the cluster will be asked for.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from miles_core.config import RunConfig
-
-MAX_PRELOADED_WORKERS = 16
-"""Above this many local CPUs (one idle worker each) start_local_ray preloads nothing."""
 
 
 def bundles(cfg: RunConfig) -> list[dict[str, float]]:
@@ -84,17 +80,3 @@ class Placement:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.pg)
-
-
-def start_local_ray(num_cpus: int | None, preload_modules: list[str]) -> None:
-    """Start a local Ray whose workers import preload_modules before they take work (Ray's
-    preload_python_modules). Ray starts one idle worker per CPU with the driver; those then host
-    actors without importing torch and transformers themselves: an engine actor is up in ~0.3 s
-    instead of ~3 s. Each such idle worker holds ~250 MB, so above MAX_PRELOADED_WORKERS CPUs
-    nothing is preloaded. A cluster joined by address keeps the settings `ray start` gave it."""
-    import ray
-
-    workers = num_cpus or os.cpu_count() or 1
-    preload = list(preload_modules) if workers <= MAX_PRELOADED_WORKERS else []
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
-             _system_config={"preload_python_modules": preload})

@@ -6,7 +6,6 @@ from the latest complete checkpoint, and releases everything on close. The loop
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,34 +51,28 @@ class LoopState:
     """{"step": s, eval/periodic/...: value} per periodic evaluation of this attempt."""
 
 
-# training.backend -> (module, class) of its trainer, imported only when used (megatron-core is
-# an optional extra); both implement the loop's trainer calls.
-TRAINER_BACKENDS: dict[str, tuple[str, str]] = {
-    "fsdp2": ("miles_core.training.fsdp", "FSDPTrainer"),
-    "megatron": ("miles_core.training.megatron.trainer", "MegatronTrainer"),
-}
-EMBEDDED_ENGINE_MODULE = "miles_core.rollout.http_server"
+def _fsdp_trainer() -> type:
+    from miles_core.training.fsdp import FSDPTrainer
+
+    return FSDPTrainer
 
 
-def trainer_class(backend: str) -> type:
-    module, name = TRAINER_BACKENDS[backend]
-    return getattr(importlib.import_module(module), name)
+def _megatron_trainer() -> type:
+    # Imported only for this backend: megatron-core is an optional extra.
+    from miles_core.training.megatron.trainer import MegatronTrainer
+
+    return MegatronTrainer
 
 
-def actor_modules(cfg: RunConfig, with_trainer: bool = True) -> list[str]:
-    """The modules this recipe's engine (and trainer) actors import (torch, transformers, ...:
-    most of an actor's start), for a local Ray to load into its workers ahead of time."""
-    modules = [TRAINER_BACKENDS[cfg.training.backend][0]] if with_trainer else []
-    if cfg.rollout.engine.kind == "embedded":
-        modules.append(EMBEDDED_ENGINE_MODULE)
-    return modules
+# training.backend -> the trainer class; both implement the loop's trainer calls.
+TRAINER_BACKENDS: dict[str, Callable[[], type]] = {"fsdp2": _fsdp_trainer, "megatron": _megatron_trainer}
 
 
 def start_trainer(cfg: RunConfig, layout: Placement, model_dir: str, teacher_dir: str | None,
                   megatron_dir: str | None) -> Any:
     """The trainer: one actor, or (world_size > 1) a TrainerGroup of rank actors behind one handle."""
     t = cfg.training
-    trainer_type = trainer_class(t.backend)
+    trainer_type = TRAINER_BACKENDS[t.backend]()
     backend_kwargs = {"megatron_ckpt": megatron_dir} if t.backend == "megatron" else {}
     args = (model_dir, t, cfg.algorithm, cfg.rollout.temperature, cfg.rollout.max_new_tokens, cfg.seed,
             cfg.rollout.num_samples_per_prompt, teacher_dir)

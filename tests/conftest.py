@@ -73,15 +73,13 @@ def warm_tiny(shared_work_dir) -> dict:
 
     from miles_core import artifacts
     from miles_core.config import build_config
-    from miles_core.placement import start_local_ray
-    from miles_core.run import actor_modules
 
     cfg = build_config(yaml.safe_load((REPO / "configs/local.yaml").read_text()),
                        [f"storage.work_dir={shared_work_dir}"])
     model, data = artifacts.prepare_model(cfg), artifacts.prepare_data(cfg)
     started = not ray.is_initialized()
     if started:
-        start_local_ray(2, actor_modules(cfg))
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
         warm = artifacts.warm_up(cfg, model, data)
     finally:
@@ -92,15 +90,11 @@ def warm_tiny(shared_work_dir) -> dict:
 
 
 def _module_ray(num_cpus: int):
-    """A local Ray whose workers preload the FSDP2 trainer and the embedded engine, as `miles run`'s."""
     import ray
-
-    from miles_core.placement import start_local_ray
-    from miles_core.run import EMBEDDED_ENGINE_MODULE, TRAINER_BACKENDS
 
     if ray.is_initialized():  # left up by a test that failed mid-way: it must not fail every later module
         ray.shutdown()
-    start_local_ray(num_cpus, [TRAINER_BACKENDS["fsdp2"][0], EMBEDDED_ENGINE_MODULE])
+    ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
 

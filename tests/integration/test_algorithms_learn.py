@@ -11,9 +11,7 @@ from miles_core.config import build_config
 from miles_core.data import read_prompts
 from miles_core.driver import TrainSpec, run_training
 from miles_core.evaluation import evaluate_greedy
-from miles_core.placement import start_local_ray
 from miles_core.rollout.engine import EmbeddedEngine
-from miles_core.run import actor_modules
 from tests.conftest import REPO
 
 # A third of the recipe's 200 steps, at half its rollout (32 prompts x 8): measured with
@@ -43,7 +41,7 @@ ALGORITHMS = {
 @pytest.fixture(scope="module")
 def warm(warm_tiny, tmp_path_factory):
     """The recipe's warmed-up tiny model (shared by the session), on this module's Ray."""
-    start_local_ray(2, actor_modules(warm_tiny["cfg"]))
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     tokenizer = AutoTokenizer.from_pretrained(warm_tiny["base"])
     eval_prompts = read_prompts(warm_tiny["eval"], warm_tiny["cfg"].data, tokenizer)
     yield {"root": tmp_path_factory.mktemp("algos"), "base": warm_tiny["base"], "warm": warm_tiny["warm"],
