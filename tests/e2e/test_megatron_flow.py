@@ -1,10 +1,10 @@
 """The rl-posttrain flow on the Megatron backend (configs/local-megatron.yaml, CPU through the
 compat layer): it learns, and the convert-checkpoint stage is cached.
 
-One driver process runs the flow twice (one Prefect server and one Ray for both, which saves
-~40 s over two `miles run` processes), then deletes the converted directory and runs the
-stage again, which must refresh its cache entry. Kept short: 60 RL steps of the recipe (its
-warm-up stops at probe pass@1 0.3), so the learning check is the training reward rising and
+One driver process runs the flow, then a flow of the conversion stage alone, which must find
+the conversion in the cache, then deletes the converted directory and runs that flow again,
+which must refresh its cache entry. Kept short: 60 RL steps of the recipe (its warm-up stops
+at probe pass@1 0.3), so the learning check is the training reward rising and
 held-out accuracy not falling; the full recipe's gain is the FSDP2 flow test's and the sweep's.
 """
 
@@ -32,7 +32,7 @@ def _manifest(work: Path) -> Path:
 
 
 def drive(work: str, own: str, out_json: str) -> None:
-    """Run in a subprocess: two flow runs, then a refresh of the deleted conversion. `work` is
+    """Run in a subprocess: a flow run, a cached conversion, a refreshed one. `work` is
     the shared storage.work_dir (its cached warm-up is reused), `own` this module's directory."""
     from flows.cli import local_environment
 
@@ -46,27 +46,26 @@ def drive(work: str, own: str, out_json: str) -> None:
 
     work_path, own_path = Path(work), Path(own)
     overrides = [f"storage.work_dir={work}", f"tracking.tracking_uri=sqlite:///{own_path / 'mlflow.db'}", *FAST]
-    print(f"{MARK} run 1", flush=True)
-    first = rl_posttrain(str(RECIPE), overrides, run_dir=str(own_path / "run1"))
-    manifest = _manifest(work_path)
-    stamp = manifest.stat().st_mtime_ns
-    print(f"{MARK} run 2", flush=True)
-    second = rl_posttrain(str(RECIPE), overrides + ["training.num_steps=1"], run_dir=str(own_path / "run2"))
-    reused = _manifest(work_path) == manifest and manifest.stat().st_mtime_ns == stamp
-    shutil.rmtree(manifest.parent)
-    print(f"{MARK} refresh", flush=True)
 
-    @flow(name="megatron-convert-refresh")
-    def convert_again() -> dict:
+    @flow(name="megatron-convert")
+    def convert() -> dict:
         from miles_core.config import load_config
 
         cfg = load_config(RECIPE, overrides)
         policy = sft_warmup(cfg, prepare_model(cfg), prepare_data(cfg))  # cached
         return convert_checkpoint(cfg, policy).model_dump()
 
-    refreshed = convert_again()
-    Path(out_json).write_text(json.dumps({"first": first, "second": second, "reused": reused,
-                                          "refreshed": refreshed}))
+    print(f"{MARK} run 1", flush=True)
+    first = rl_posttrain(str(RECIPE), overrides, run_dir=str(own_path / "run1"))
+    manifest = _manifest(work_path)
+    stamp = manifest.stat().st_mtime_ns
+    print(f"{MARK} run 2", flush=True)  # a later flow run finds the conversion in the cache
+    convert()
+    reused = _manifest(work_path) == manifest and manifest.stat().st_mtime_ns == stamp
+    shutil.rmtree(manifest.parent)
+    print(f"{MARK} refresh", flush=True)
+    refreshed = convert()
+    Path(out_json).write_text(json.dumps({"first": first, "reused": reused, "refreshed": refreshed}))
 
 
 @pytest.fixture(scope="module")
