@@ -25,6 +25,8 @@ from miles_core.weight_layout import fused_layout, weights_sha256
 
 # A seedless request in a seeded batch gets SGLang's deterministic-sampling default.
 SGLANG_DEFAULT_SEED = 42
+RESCORE_LOGITS_BUDGET = 2**28
+"""Logit elements one re-scoring pass may hold (1 GiB in fp32)."""
 
 
 def split_sampling_params(params: dict | list[dict], num_prompts: int) -> tuple[dict, list[int] | None]:
@@ -145,10 +147,13 @@ class EmbeddedEngine:
                 for row in range(len(input_ids))]
 
     def _rescore(self, sequences: torch.Tensor, prompt_attention: torch.Tensor, prompt_width: int,
-                 temperature: float, rows_per_pass: int = 64) -> torch.Tensor:
+                 temperature: float, max_rows_per_pass: int = 64) -> torch.Tensor:
         """Log-probs of the generated tokens from one teacher-forced pass, a few rows at a time
-        so that [rows, length, vocab] logits stay small."""
+        so that [rows, length, vocab] logits stay within RESCORE_LOGITS_BUDGET elements (a 0.6B
+        model's 152k vocabulary at 1024 tokens is 0.6 GB of fp32 logits per row)."""
         attention = torch.cat([prompt_attention, torch.ones_like(sequences[:, prompt_width:])], dim=1)
+        row_elements = sequences.shape[1] * self.model.config.vocab_size
+        rows_per_pass = max(1, min(max_rows_per_pass, RESCORE_LOGITS_BUDGET // row_elements))
         pieces = []
         for start in range(0, len(sequences), rows_per_pass):
             seq, att = sequences[start : start + rows_per_pass], attention[start : start + rows_per_pass]
