@@ -65,6 +65,33 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def timed(fn) -> float:
+    sync()
+    started = time.perf_counter()
+    fn()
+    sync()
+    return round(time.perf_counter() - started, 3)
+
+
+def engine_phases(engine: EmbeddedEngine, work: list[list[int]], params: dict) -> dict:
+    """Seconds of the same generation with log-probs and seeds, without log-probs, and without
+    seeds (transformers samples), then a kernel profile of the first to stderr."""
+    phases = {
+        "seeded_logprob_s": timed(lambda: engine.generate(work, params, return_logprob=True, seed=2)),
+        "seeded_s": timed(lambda: engine.generate(work, params, return_logprob=False, seed=2)),
+        "unseeded_s": timed(lambda: engine.generate(work, params, return_logprob=False)),
+    }
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        engine.generate(work, params, return_logprob=True, seed=3)
+        sync()
+    sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=30, max_name_column_width=60), file=sys.stderr)
+    return phases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(SHAPES), default="tiny")
@@ -73,6 +100,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--baseline-batch", type=int, default=256)
     parser.add_argument("--engine-batch", type=int, default=1024)
+    parser.add_argument("--phases", action="store_true",
+                        help="also time the engine without log-probs and without seeds, and print a profile "
+                             "of its kernels to stderr")
     args = parser.parse_args()
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,6 +119,7 @@ def main() -> None:
         sync()
         ours = time.perf_counter() - started
         produced = sum(len(o["output_ids"]) for o in outs)
+        phases = engine_phases(engine, work, params) if args.phases else {}
         print("baseline...", file=sys.stderr)
         hf_baseline(engine.model, work[: args.baseline_batch], 4, args.baseline_batch, engine.pad_id)  # warm-up
         base = hf_baseline(engine.model, work, args.new_tokens, args.baseline_batch, engine.pad_id)
@@ -97,7 +128,7 @@ def main() -> None:
         "model": args.model, "device": str(engine.device), "num_seqs": args.num_seqs, "new_tokens": args.new_tokens,
         "engine_tokens_per_s": round(produced / ours), "hf_generate_tokens_per_s": round(total / base),
         "speedup": round((produced / ours) / (total / base), 2), "engine_static_cache": engine.fast,
-        "engine_batch": args.engine_batch, "baseline_batch": args.baseline_batch,
+        "engine_batch": args.engine_batch, "baseline_batch": args.baseline_batch, **phases,
     }))
 
 

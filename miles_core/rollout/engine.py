@@ -21,12 +21,11 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from miles_core.rollout.slot_decoder import Finished, Sampling, SlotDecoder
 from miles_core.weight_layout import fused_layout, weights_sha256
 
 # A seedless request in a seeded batch gets SGLang's deterministic-sampling default.
 SGLANG_DEFAULT_SEED = 42
-RESCORE_LOGITS_BUDGET = 2**28
-"""Logit elements one re-scoring pass may hold (1 GiB in fp32)."""
 
 
 def split_sampling_params(params: dict | list[dict], num_prompts: int) -> tuple[dict, list[int] | None]:
@@ -49,13 +48,13 @@ class EmbeddedEngine:
     """A transformers model that generates batches of token-id prompts."""
 
     def __init__(self, model_dir: str, dtype: str = "float32", num_threads: int | None = None,
-                 device: str | None = None, max_batch_size: int = 1024, static_cache: bool | None = None):
+                 device: str | None = None, max_batch_size: int = 1024, slot_decoding: bool | None = None):
+        """max_batch_size: sequences decoded at once. slot_decoding (default: on CUDA): continuous
+        batching over a preallocated KV cache with compiled steps (see slot_decoder); off, each
+        chunk of max_batch_size prompts runs through transformers' generate."""
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        # On GPU: a static KV cache makes transformers compile the decode step (CUDA graphs),
-        # and log-probs come from one batched re-scoring pass instead of per-step full-vocab logits.
-        self.fast = self.device.type == "cuda" if static_cache is None else static_cache
         self.max_batch_size = max_batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
@@ -63,6 +62,9 @@ class EmbeddedEngine:
         self.weight_version = "default"  # SGLang's before any update
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_id = self.tokenizer.eos_token_id
+        use_slots = self.device.type == "cuda" if slot_decoding is None else slot_decoding
+        self.slots = (SlotDecoder(self.model, self.pad_id, counter_uniform, max_batch_size,
+                                  compile_steps=self.device.type == "cuda") if use_slots else None)
 
     def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:
         """HF-named weights in either MoE expert layout (see miles_core.weight_layout)."""
@@ -98,69 +100,62 @@ class EmbeddedEngine:
             seeds = [seed + row for row in range(len(input_ids))]
         if seeds is not None and len(seeds) != len(input_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(input_ids)} prompts")
-        outputs = []
-        for start in range(0, len(input_ids), self.max_batch_size):
-            chunk = input_ids[start : start + self.max_batch_size]
-            chunk_seeds = None if seeds is None else seeds[start : start + self.max_batch_size]
-            outs = self._generate_batch(chunk, sampling_params, return_logprob, chunk_seeds)
-            if return_routed_experts:
-                experts = self.routed_experts([ids + out["output_ids"] for ids, out in zip(chunk, outs)])
-                for out, routed in zip(outs, experts):
-                    out["meta_info"]["routed_experts"] = routed.tolist()
-            outputs.extend(outs)
+        sampling = self._sampling(sampling_params, seeded=seeds is not None)
+        if self.slots is not None:
+            finished = self.slots.generate(input_ids, seeds, sampling)
+        else:
+            finished = []
+            for start in range(0, len(input_ids), self.max_batch_size):
+                chunk_seeds = None if seeds is None else seeds[start : start + self.max_batch_size]
+                finished.extend(self._generate_batch(input_ids[start : start + self.max_batch_size], sampling,
+                                                     return_logprob, chunk_seeds))
+        outputs = [self._response(done, len(ids), sampling, return_logprob) for ids, done in zip(input_ids, finished)]
+        if return_routed_experts:
+            experts = self.routed_experts([ids + out["output_ids"] for ids, out in zip(input_ids, outputs)])
+            for out, routed in zip(outputs, experts):
+                out["meta_info"]["routed_experts"] = routed.tolist()
         return outputs
 
-    def _generate_batch(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
-                        return_logprob: bool, seeds: list[int] | None) -> list[dict[str, Any]]:
-        temperature = float(sampling_params.get("temperature", 1.0))
-        max_new_tokens = int(sampling_params.get("max_new_tokens", 16))
-        greedy = temperature == 0.0
-        top_p, top_k = float(sampling_params.get("top_p", 1.0)), int(sampling_params.get("top_k", 0)) or None
+    def _sampling(self, params: dict[str, Any], seeded: bool) -> Sampling:
+        temperature = float(params.get("temperature", 1.0))
+        stop_ids = ([] if params.get("ignore_eos") else [self.eos_id]) + list(params.get("stop_token_ids", []))
+        return Sampling(temperature=temperature, top_p=float(params.get("top_p", 1.0)),
+                        top_k=int(params.get("top_k", 0)) or None, max_new_tokens=int(params.get("max_new_tokens", 16)),
+                        stop_ids=tuple(dict.fromkeys(stop_ids)), seeded=seeded and temperature != 0.0)
+
+    def _generate_batch(self, input_ids: list[list[int]], sampling: Sampling, return_logprob: bool,
+                        seeds: list[int] | None) -> list[Finished]:
+        """transformers' generate with a dynamic cache (the CPU path): per-step logits are kept
+        for the log-probs, which at the tiny model's vocabulary costs little."""
         batch, attention = self._left_pad(input_ids)
-        stop_ids = [] if sampling_params.get("ignore_eos") else [self.eos_id]
-        seeded = seeds is not None and not greedy
-        processors = LogitsProcessorList([SeededSampling(seeds, temperature, top_p, top_k)] if seeded else [])
-        sample_in_hf = not greedy and not seeded  # a seeded sample is the argmax of SeededSampling's scores
+        processors = LogitsProcessorList(
+            [SeededSampling(seeds, sampling.temperature, sampling.top_p, sampling.top_k)] if sampling.seeded else [])
+        sample_in_hf = not sampling.greedy and not sampling.seeded  # a seeded sample is the argmax of its scores
         config = GenerationConfig(
             do_sample=sample_in_hf,
-            temperature=temperature if sample_in_hf else None,
-            top_p=top_p if sample_in_hf else None,
-            top_k=top_k if sample_in_hf else None,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=[*stop_ids, *sampling_params.get("stop_token_ids", [])] or None,
+            temperature=sampling.temperature if sample_in_hf else None,
+            top_p=sampling.top_p if sample_in_hf else None,
+            top_k=sampling.top_k if sample_in_hf else None,
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=list(sampling.stop_ids) or None,
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
-            output_logits=return_logprob and not self.fast,
-            cache_implementation="static" if self.fast else None,
+            output_logits=return_logprob,
         )
         out = self.model.generate(input_ids=batch, attention_mask=attention, generation_config=config,
                                   logits_processor=processors)
         new_tokens = out.sequences[:, batch.shape[1]:]
-        logprobs = None
+        logprobs = torch.zeros(new_tokens.shape)
         if return_logprob:
-            scale = 1.0 if greedy else temperature
-            logprobs = (self._rescore(out.sequences, attention, batch.shape[1], scale) if self.fast
-                        else torch.log_softmax(torch.stack(out.logits, dim=1).float() / scale, dim=-1)
+            scale = 1.0 if sampling.greedy else sampling.temperature
+            logprobs = (torch.log_softmax(torch.stack(out.logits, dim=1).float() / scale, dim=-1)
                         .gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)).cpu()
-        new_tokens = new_tokens.cpu()
-        return [self._response(row, new_tokens[row], logprobs, len(input_ids[row]), max_new_tokens)
-                for row in range(len(input_ids))]
-
-    def _rescore(self, sequences: torch.Tensor, prompt_attention: torch.Tensor, prompt_width: int,
-                 temperature: float, max_rows_per_pass: int = 64) -> torch.Tensor:
-        """Log-probs of the generated tokens from one teacher-forced pass, a few rows at a time
-        so that [rows, length, vocab] logits stay within RESCORE_LOGITS_BUDGET elements (a 0.6B
-        model's 152k vocabulary at 1024 tokens is 0.6 GB of fp32 logits per row)."""
-        attention = torch.cat([prompt_attention, torch.ones_like(sequences[:, prompt_width:])], dim=1)
-        row_elements = sequences.shape[1] * self.model.config.vocab_size
-        rows_per_pass = max(1, min(max_rows_per_pass, RESCORE_LOGITS_BUDGET // row_elements))
-        pieces = []
-        for start in range(0, len(sequences), rows_per_pass):
-            seq, att = sequences[start : start + rows_per_pass], attention[start : start + rows_per_pass]
-            logits = self.model(input_ids=seq, attention_mask=att).logits[:, prompt_width - 1 : -1].float()
-            pieces.append(torch.log_softmax(logits / temperature, dim=-1)
-                          .gather(-1, seq[:, prompt_width:, None]).squeeze(-1))
-        return torch.cat(pieces)
+        finished = []
+        for ids, lps in zip(new_tokens.cpu().tolist(), logprobs.tolist()):
+            stop_at = next((i for i, t in enumerate(ids) if t in sampling.stop_ids), None)
+            count = sampling.max_new_tokens if stop_at is None else stop_at + 1
+            finished.append(Finished(ids[:count], lps[:count], stop_at is not None))
+        return finished
 
     def _expert_gates(self) -> list[torch.nn.Module]:
         """The router of every decoder layer, in layer order (Qwen3-MoE: layers[i].mlp.gate)."""
@@ -217,20 +212,18 @@ class EmbeddedEngine:
             attention[row, cols] = 1
         return batch.to(self.device), attention.to(self.device)
 
-    def _response(self, row: int, tokens: torch.Tensor, logprobs, prompt_len: int, max_new: int) -> dict:
-        ids = tokens.tolist()
-        stop_at = next((i for i, t in enumerate(ids) if t == self.eos_id), None)
-        ids = ids[: stop_at + 1] if stop_at is not None else ids[:max_new]
-        stopped = stop_at is not None
-        finish = {"type": "stop", "matched": self.eos_id} if stopped else {"type": "length", "length": max_new}
+    def _response(self, done: Finished, prompt_len: int, sampling: Sampling, return_logprob: bool) -> dict:
+        ids = done.token_ids
+        finish = ({"type": "stop", "matched": ids[-1]} if done.stopped
+                  else {"type": "length", "length": sampling.max_new_tokens})
         meta = {
             "finish_reason": finish,
             "prompt_tokens": prompt_len,
             "completion_tokens": len(ids),
             "weight_version": self.weight_version,
         }
-        if logprobs is not None:
-            meta["output_token_logprobs"] = [[float(logprobs[row, i]), t, None] for i, t in enumerate(ids)]
+        if return_logprob:
+            meta["output_token_logprobs"] = [[float(lp), t, None] for lp, t in zip(done.logprobs, ids)]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
@@ -259,12 +252,14 @@ _MIX = (-4658895280553007687, -7723592293110705685, -7046029254386353131)  # spl
 _LOW_BITS = [(1 << (64 - shift)) - 1 for shift in (30, 27, 31)]
 
 
-def counter_uniform(seeds: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
+def counter_uniform(seeds: torch.Tensor, step: int | torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniforms in (0, 1) of shape [len(seeds), vocab_size], a pure function of (seed, step,
     column): splitmix64's finaliser over a counter, on any device, one pass for the batch.
-    int64 products wrap; right shifts are masked to make them logical."""
+    step: the decode step of every row, or of each row. int64 products wrap; right shifts are
+    masked to make them logical."""
     column = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    x = seeds[:, None] * _MIX[0] + (step * vocab_size + column)[None, :]
+    steps = torch.as_tensor(step, dtype=torch.int64, device=seeds.device).reshape(-1, 1)
+    x = seeds[:, None] * _MIX[0] + (steps * vocab_size + column[None, :])
     for shift, mult, low in zip((30, 27, 31), (_MIX[1], _MIX[2], 1), _LOW_BITS):
         x = x ^ ((x >> shift) & low)
         if mult != 1:

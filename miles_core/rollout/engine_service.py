@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 DTYPES = {"auto": "float32", "float": "float32", "half": "float16"}
 # What EmbeddedEngine honours; other SGLang sampling params (stop strings, min_p, penalties,
 # min_new_tokens) are accepted and ignored, with one warning per key.
-SUPPORTED_SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"}
+SUPPORTED_SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos",
+                      "sampling_seed"}
 
 
 class Request:

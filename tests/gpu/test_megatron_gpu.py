@@ -142,7 +142,7 @@ def test_routing_replay_uses_the_engine_experts_on_gpu(tmp_path_factory):
     from tests.integration import test_routing_replay as r3
 
     dirs = r3.dirs.__wrapped__(tmp_path_factory)
-    engine = EmbeddedEngine(str(dirs["moe"]), num_threads=1, static_cache=False)
+    engine = EmbeddedEngine(str(dirs["moe"]), num_threads=1, slot_decoding=False)
     samples = r3._rollout_samples(engine, as_sglang=True)
     expected, real = r3._expected_maps(samples)
     trainer = r3._trainer(dirs["moe"])

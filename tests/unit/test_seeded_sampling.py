@@ -20,6 +20,8 @@ def test_uniforms_are_a_function_of_seed_step_and_token():
     assert torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
     assert torch.equal(counter_uniform(seeds[:1], 5, 1000)[0], u[0])  # the batch around a row does not matter
     assert not torch.equal(counter_uniform(seeds[:1], 6, 1000)[0], u[0])
+    per_row = counter_uniform(seeds, torch.tensor([5, 6, 5]), 1000)  # each row at its own step
+    assert torch.equal(per_row[0], u[0]) and torch.equal(per_row[1], counter_uniform(seeds[1:2], 6, 1000)[0])
     assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.02
 
 
@@ -39,24 +41,3 @@ def test_temperature_and_top_k_shape_the_distribution():
     assert (cold == 0).float().mean() > 0.95  # softmax(4 * logits)[0] = 0.98
     top2 = SeededSampling(list(range(rows)), temperature=1.0, top_k=2)(None, LOGITS.expand(rows, 4).clone()).argmax(-1)
     assert set(top2.tolist()) == {0, 1}
-
-
-def test_rescoring_keeps_its_logits_within_budget_and_scores_the_same(tiny_model_dir, monkeypatch):
-    """The engine re-scores generated tokens in passes of as many rows as RESCORE_LOGITS_BUDGET
-    allows (a 152k vocabulary at 1024 tokens would otherwise need tens of GB of logits)."""
-    from miles_core.rollout import engine as engine_module
-
-    engine = engine_module.EmbeddedEngine(str(tiny_model_dir), num_threads=1)
-    vocab, width, prompt_width = engine.model.config.vocab_size, 12, 5
-    sequences = torch.randint(3, vocab, (10, width), generator=torch.Generator().manual_seed(0))
-    prompt_attention = torch.ones(10, prompt_width, dtype=torch.long)
-    whole = engine._rescore(sequences, prompt_attention, prompt_width, 1.0)
-
-    rows_seen = []
-    forward = engine.model.forward
-    monkeypatch.setattr(engine.model, "forward", lambda *a, **k: rows_seen.append(len(k["input_ids"])) or forward(*a, **k))
-    monkeypatch.setattr(engine_module, "RESCORE_LOGITS_BUDGET", 3 * width * vocab + 1)
-    budgeted = engine._rescore(sequences, prompt_attention, prompt_width, 1.0)
-    assert rows_seen == [3, 3, 3, 1]
-    assert budgeted.shape == (10, width - prompt_width)
-    torch.testing.assert_close(budgeted, whole, rtol=0, atol=1e-5)

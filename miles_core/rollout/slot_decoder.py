@@ -1,0 +1,274 @@
+"""Continuous batching for the embedded engine: a fixed set of slots over one preallocated KV
+cache, a decode step that samples every slot and returns its exact log-prob, and slot refill
+(a finished sequence's slot takes the next waiting prompt).
+
+Each slot holds one sequence at cache columns 0..n, so a token's column is its position id;
+slots advance independently, which is what lets a refilled slot start over at column 0 while
+its neighbours keep decoding. The attention mask of a step is "column <= my position" per slot,
+passed to the model as a ready 4D mask, so transformers' mask building and cache offsets are
+not involved. On CUDA the model forward runs through transformers' compiled call (CUDA graphs
+over the static cache addresses) and the sampler through torch.compile.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, TopKLogitsWarper, TopPLogitsWarper
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+KV_CACHE_FRACTION = 0.4
+"""Share of the free accelerator memory the slots' KV cache may take when it is allocated."""
+PREFILL_TOKEN_BUDGET = 2**15
+"""Prompt tokens one prefill pass may hold (bounds its activations, not its result)."""
+CHECK_EVERY_STEPS = 8
+"""Decode steps between host checks for finished slots (each check is one device sync)."""
+SLOT_MULTIPLE, COLUMN_MULTIPLE = 16, 128
+"""Slot counts and cache widths are rounded up to these so compiled steps are reused across calls."""
+
+
+class SlotLayer(CacheLayerMixin):
+    """One decoder layer's keys and values for every slot, [slots, kv_heads, columns, head_dim];
+    a decode step writes slot s's token at column positions[s]."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.positions = keys, values, positions
+        self.rows = torch.arange(keys.shape[0], device=keys.device)
+        self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+        for tensor in (self.keys, self.values, self.positions, self.rows):
+            torch._dynamo.mark_static_address(tensor)  # in-place updates keep CUDA graphs valid
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        """Allocated up front: nothing to do."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys[self.rows, :, self.positions] = key_states[:, :, 0]
+        self.values[self.rows, :, self.positions] = value_states[:, :, 0]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return 0  # positions and the mask are passed in; nothing reads a shared length
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What one generate call samples with (SGLang's sampling_params, resolved)."""
+
+    temperature: float
+    top_p: float
+    top_k: int | None
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    seeded: bool
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Finished:
+    """One request's generated tokens, their log-probs, and whether a stop token ended it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    stopped: bool
+
+
+def sample_next(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, sampling: Sampling,
+                uniform) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token of every row and its log-prob under the temperature-scaled distribution
+    (before top-k/top-p, as SGLang reports it). Seeded rows draw Gumbel noise from `uniform`
+    (seed, the row's own decode step, token id), so a row's sample does not depend on its
+    batch or slot; unseeded rows sample with torch's generator."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits / (1.0 if sampling.greedy else sampling.temperature), dim=-1)
+    if sampling.greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        scores = logits / sampling.temperature
+        if sampling.top_k:
+            scores = TopKLogitsWarper(sampling.top_k)(None, scores)
+        if sampling.top_p < 1:
+            scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+        if sampling.seeded:
+            tokens = (scores - torch.log(-torch.log(uniform(seeds, steps, scores.shape[-1])))).argmax(dim=-1)
+        else:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class SlotDecoder:
+    """Generates for any number of prompts through a bounded set of slots (see module doc)."""
+
+    def __init__(self, model, pad_id: int, uniform, max_slots: int, compile_steps: bool):
+        self.model, self.pad_id, self.uniform, self.max_slots = model, pad_id, uniform, max_slots
+        self.compiled = compile_steps
+        self.forward = model.get_compiled_call(None) if compile_steps else model
+        self.sample = torch.compile(sample_next, dynamic=False) if compile_steps else sample_next
+        self.cache: Cache | None = None
+        # transformers >= 5.24 names the cache argument `cache` (`past_key_values` before)
+        self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def generate(self, prompts: list[list[int]], seeds: list[int] | None, sampling: Sampling) -> list[Finished]:
+        columns = round_up(max(len(p) for p in prompts) + sampling.max_new_tokens, COLUMN_MULTIPLE)
+        run = _Run(self, prompts, seeds, sampling, self._cache_for(len(prompts), columns))
+        return run.finish()
+
+    def _cache_for(self, num_prompts: int, columns: int) -> Cache:
+        """The slots' cache, reused while its shape fits so compiled steps and their graphs stay valid."""
+        config = self.model.config
+        kv_heads = config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype, device = self.model.dtype, self.model.device
+        slot_bytes = 2 * config.num_hidden_layers * kv_heads * columns * head_dim * dtype.itemsize
+        slots = min(round_up(num_prompts, SLOT_MULTIPLE), self.max_slots, max(1, self._kv_budget_bytes() // slot_bytes))
+        current = self.cache.layers[0].keys.shape if self.cache is not None else None
+        if current is not None and current[0] == slots and current[2] == columns:
+            return self.cache
+        self.cache = None
+        positions = torch.zeros(slots, dtype=torch.long, device=device)
+        shape = (slots, kv_heads, columns, head_dim)
+        layers = [SlotLayer(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                            positions) for _ in range(config.num_hidden_layers)]
+        self.cache = Cache(layers=layers)
+        return self.cache
+
+    def _kv_budget_bytes(self) -> int:
+        device = self.model.device
+        if device.type != "cuda":
+            return 2**31
+        held = 0 if self.cache is None else sum(2 * layer.keys.nbytes for layer in self.cache.layers)
+        return int(KV_CACHE_FRACTION * (torch.cuda.mem_get_info(device)[0] + held))
+
+
+class _Run:
+    """One generate call's state: which request each slot holds, and the device-side counters."""
+
+    def __init__(self, decoder: SlotDecoder, prompts: list[list[int]], seeds: list[int] | None,
+                 sampling: Sampling, cache: Cache):
+        self.decoder, self.prompts, self.sampling, self.cache = decoder, prompts, sampling, cache
+        first = cache.layers[0]
+        self.positions, num_slots, self.columns = first.positions, first.keys.shape[0], first.keys.shape[2]
+        device = first.keys.device
+        self.request_seeds = torch.tensor(seeds if seeds is not None else [0] * len(prompts), dtype=torch.long)
+        self.stop_ids = torch.tensor(sampling.stop_ids or (-1,), device=device)
+        self.column_ids = torch.arange(self.columns, device=device)
+        self.all_slots = torch.arange(num_slots, device=device)
+        self.mask_dtype = first.keys.dtype
+        self.slot_request = [-1] * num_slots
+        self.seeds = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.generated = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.done = torch.ones(num_slots, dtype=torch.bool, device=device)
+        self.tokens = torch.full((num_slots,), decoder.pad_id, dtype=torch.long, device=device)
+        self.out_tokens = torch.full((num_slots, sampling.max_new_tokens), decoder.pad_id, dtype=torch.long,
+                                     device=device)
+        self.out_logprobs = torch.zeros(num_slots, sampling.max_new_tokens, device=device)
+        self.positions.zero_()
+        self.waiting = deque(range(len(prompts)))
+        self.results: list[Finished | None] = [None] * len(prompts)
+
+    def finish(self) -> list[Finished]:
+        self._refill(list(range(len(self.slot_request))))
+        while any(r >= 0 for r in self.slot_request):
+            for _ in range(CHECK_EVERY_STEPS):
+                self._step()
+            done = self.done.tolist()
+            self._refill([s for s, r in enumerate(self.slot_request) if r >= 0 and done[s]])
+        return self.results
+
+    def _refill(self, free_slots: list[int]) -> None:
+        """Collect the finished slots' results and prefill the next waiting prompts into them."""
+        if not free_slots:
+            return
+        self._collect(free_slots)
+        taken = [(slot, self.waiting.popleft()) for slot in free_slots[: len(self.waiting)]]
+        for slot in free_slots:
+            self.slot_request[slot] = -1
+        if not taken:
+            return
+        rows_per_pass = max(1, PREFILL_TOKEN_BUDGET // max(len(self.prompts[r]) for _, r in taken))
+        for start in range(0, len(taken), rows_per_pass):
+            self._prefill(taken[start : start + rows_per_pass])
+
+    def _collect(self, slots: list[int]) -> None:
+        held = [s for s in slots if self.slot_request[s] >= 0]
+        if not held:
+            return
+        counts = self.generated[held].tolist()
+        tokens, logprobs = self.out_tokens[held].tolist(), self.out_logprobs[held].tolist()
+        stop_ids = set(self.sampling.stop_ids)
+        for slot, count, ids, lps in zip(held, counts, tokens, logprobs):
+            ids = ids[:count]
+            self.results[self.slot_request[slot]] = Finished(ids, lps[:count], bool(ids) and ids[-1] in stop_ids)
+
+    @torch.no_grad()
+    def _prefill(self, taken: list[tuple[int, int]]) -> None:
+        """Runs the prompts left-padded through the model, moves each one's keys and values to
+        columns 0..len-1 of its slot, and samples its first token from the last position."""
+        prompts = [self.prompts[r] for _, r in taken]
+        width, device = max(len(p) for p in prompts), self.positions.device
+        batch = torch.full((len(prompts), width), self.decoder.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(batch)
+        for row, ids in enumerate(prompts):
+            batch[row, width - len(ids):], attention[row, width - len(ids):] = torch.tensor(ids), 1
+        batch, attention = batch.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        prompt_cache = DynamicCache()
+        out = self.decoder.model(input_ids=batch, attention_mask=attention, position_ids=positions, use_cache=True,
+                                 logits_to_keep=1, **{self.decoder.cache_argument: prompt_cache})
+        lengths = attention.sum(-1)
+        source = (torch.arange(width, device=device)[None, :] + (width - lengths)[:, None]).clamp(max=width - 1)
+        slots = torch.tensor([s for s, _ in taken], device=device)
+        for mine, theirs in zip(self.cache.layers, prompt_cache.layers):
+            index = source[:, None, :, None].expand(-1, theirs.keys.shape[1], -1, theirs.keys.shape[3])
+            mine.keys[slots, :, :width] = theirs.keys.gather(2, index)
+            mine.values[slots, :, :width] = theirs.values.gather(2, index)
+        self.seeds[slots] = self.request_seeds[[r for _, r in taken]].to(device)
+        self.generated[slots] = 0
+        self.positions[slots] = lengths
+        self.done[slots] = False
+        for slot, request in taken:
+            self.slot_request[slot] = request
+        self._advance(out.logits[:, -1], slots, sample_next)  # prefill batches vary in size: not compiled
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        visible = self.column_ids[None, :] <= self.positions[:, None]
+        mask = torch.where(visible, 0.0, torch.finfo(self.mask_dtype).min).to(self.mask_dtype)[:, None, None, :]
+        if self.decoder.compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self.decoder.forward(input_ids=self.tokens[:, None], attention_mask=mask, position_ids=self.positions[:, None],
+                                   use_cache=True, **{self.decoder.cache_argument: self.cache})
+        self.positions.add_((~self.done).long()).clamp_(max=self.columns - 1)
+        self._advance(out.logits[:, -1], self.all_slots, self.decoder.sample)
+
+    def _advance(self, logits: torch.Tensor, slots: torch.Tensor, sample) -> None:
+        """Samples the next token of `slots`, records it for the slots still running, and marks
+        the ones that hit a stop token or their budget."""
+        tokens, logprobs = sample(logits, self.seeds[slots], self.generated[slots], self.sampling, self.decoder.uniform)
+        running, count = ~self.done[slots], self.generated[slots]
+        index = count.clamp(max=self.sampling.max_new_tokens - 1)
+        self.out_tokens[slots, index] = torch.where(running, tokens, self.out_tokens[slots, index])
+        self.out_logprobs[slots, index] = torch.where(running, logprobs, self.out_logprobs[slots, index])
+        self.generated[slots] = count + running.long()
+        finished = torch.isin(tokens, self.stop_ids) | (count + 1 >= self.sampling.max_new_tokens)
+        self.done[slots] = self.done[slots] | (running & finished)
+        self.tokens[slots] = torch.where(running, tokens, self.decoder.pad_id)

@@ -1,0 +1,81 @@
+"""The embedded engine's continuous batching (miles_core.rollout.slot_decoder): with fewer slots
+than prompts, refilled slots must give what transformers' generate gives each prompt, log-probs
+included, and stop where SGLang stops."""
+
+import pytest
+import torch
+
+from miles_core.rollout import slot_decoder
+from miles_core.rollout.engine import EmbeddedEngine
+
+SAMPLINGS = [
+    ({"temperature": 0.0, "max_new_tokens": 12}, None),
+    ({"temperature": 1.0, "max_new_tokens": 12}, 5),
+    ({"temperature": 0.8, "top_k": 5, "top_p": 0.9, "max_new_tokens": 9}, 1),
+]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    reference = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=False)
+    slots = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=True, max_batch_size=4)
+    return reference, slots
+
+
+def prompts(num: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (num,), generator=g)]
+
+
+def logprobs(out: dict) -> list[float]:
+    return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.mark.parametrize("params,seed", SAMPLINGS)
+def test_refilled_slots_give_what_generate_gives(engines, params, seed, monkeypatch):
+    reference, slots = engines
+    prefilled = []
+    prefill = slot_decoder._Run._prefill
+    monkeypatch.setattr(slot_decoder._Run, "_prefill", lambda run, taken: prefilled.append(len(taken)) or prefill(run, taken))
+    work = prompts(10)
+    want = reference.generate(work, params, seed=seed)
+    got = slots.generate(work, params, seed=seed)
+    assert slots.slots.cache.layers[0].keys.shape[0] == 4
+    assert prefilled[0] == 4 and sum(prefilled) == 10 and len(prefilled) > 2  # finished slots took the next prompts
+    for a, b in zip(want, got):
+        assert b["output_ids"] == a["output_ids"]
+        assert b["meta_info"]["finish_reason"] == a["meta_info"]["finish_reason"]
+        torch.testing.assert_close(logprobs(b), logprobs(a), rtol=0, atol=1e-5)
+    assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in got) or seed is None
+
+
+def test_stop_tokens_end_a_sequence_and_ignore_eos_runs_to_the_budget(engines, monkeypatch):
+    reference, slots = engines
+    work = prompts(3)
+    free = reference.generate(work, {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True})
+    stop = free[0]["output_ids"][4]
+    cut = free[0]["output_ids"].index(stop) + 1
+    for engine in engines:
+        out = engine.generate(work, {"temperature": 0.0, "max_new_tokens": 10, "stop_token_ids": [stop],
+                                     "ignore_eos": True})
+        assert out[0]["output_ids"] == free[0]["output_ids"][:cut]
+        assert out[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        monkeypatch.setattr(engine, "eos_id", stop)
+        ended = engine.generate(work, {"temperature": 0.0, "max_new_tokens": 10})
+        assert ended[0]["output_ids"] == free[0]["output_ids"][:cut]
+        ignored = engine.generate(work, {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True})
+        assert [o["output_ids"] for o in ignored] == [o["output_ids"] for o in free]
+        assert {o["meta_info"]["finish_reason"]["type"] for o in ignored} == {"length"}
+
+
+def test_the_kv_cache_holds_only_the_slots_its_budget_allows(engines, monkeypatch):
+    reference, slots = engines
+    config = slots.model.config
+    columns = slot_decoder.COLUMN_MULTIPLE
+    per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * columns * config.head_dim * 4
+    monkeypatch.setattr(slots.slots, "_kv_budget_bytes", lambda: 3 * per_slot)
+    work = prompts(7)
+    params = {"temperature": 1.0, "max_new_tokens": 6}
+    got = slots.generate(work, params, seed=3)
+    assert slots.slots.cache.layers[0].keys.shape[:3] == (3, config.num_key_value_heads, columns)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference.generate(work, params, seed=3)]
