@@ -1,11 +1,13 @@
 """Embedded engine generation throughput vs plain HF `generate`, same workload, same process.
 
-    python bench/engine_throughput.py --model qwen3-0.6b-shape --num-seqs 2048 --new-tokens 256
+    python bench/engine_throughput.py --model qwen3-0.6b-shape --num-seqs 1024 --new-tokens 256 --batch 256
 
-Baseline: transformers `generate` with its default dynamic cache in batches of
---baseline-batch (what a trainer-side rollout usually does). Ours: EmbeddedEngine (static KV
-cache -> compiled decode on GPU, big batches, log-probs by re-scoring). Both sample at
-temperature 1 with EOS ignored so every sequence produces exactly --new-tokens tokens.
+Baseline: transformers `generate` with its default dynamic cache in batches of --batch (what a
+trainer-side rollout does). Ours: EmbeddedEngine with --batch slots (on GPU: continuous
+batching over a preallocated KV cache, compiled decode, log-probs from the decode step). Both
+sample at temperature 1 and stop at the same stop tokens: --mean-length sets how many ids of the
+vocabulary stop a sequence, so lengths vary as they do with EOS on (0: none stop, every sequence
+runs to --new-tokens). Tokens per second count generated tokens up to and including the stop.
 Prints one JSON line.
 """
 
@@ -50,14 +52,21 @@ def prompts(num: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(10, min(vocab, 90), (num, length), generator=g).tolist()
 
 
-def hf_baseline(model, batch: list[list[int]], new_tokens: int, batch_size: int, pad_id: int) -> float:
-    started = time.perf_counter()
+def hf_baseline(model, batch: list[list[int]], new_tokens: int, batch_size: int, pad_id: int,
+                stop_ids: list[int]) -> tuple[float, int]:
+    """Seconds and generated tokens of transformers' generate over `batch`, --batch rows at a time."""
+    produced, started = 0, time.perf_counter()
+    stops = torch.tensor(stop_ids or [-1], device=model.device)
     for start in range(0, len(batch), batch_size):
         ids = torch.tensor(batch[start : start + batch_size], device=model.device)
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                             max_new_tokens=new_tokens, pad_token_id=pad_id, eos_token_id=stop_ids or None)
+        new = out[:, ids.shape[1]:]
+        stopped = torch.isin(new, stops)
+        first_stop = torch.where(stopped.any(-1), stopped.int().argmax(-1) + 1, new.shape[1])
+        produced += int(first_stop.sum())
     sync()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, produced
 
 
 def sync() -> None:
@@ -92,27 +101,33 @@ def engine_phases(engine: EmbeddedEngine, work: list[list[int]], params: dict) -
     return phases
 
 
+def stop_ids_for(mean_length: int, vocab: int) -> list[int]:
+    """The top vocabulary ids, as many as make a uniform random model stop after ~mean_length tokens."""
+    return [] if mean_length <= 0 else list(range(vocab - max(1, round(vocab / mean_length)), vocab))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--baseline-batch", type=int, default=256)
-    parser.add_argument("--engine-batch", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=256, help="rows per generate call, and the engine's slots")
+    parser.add_argument("--mean-length", type=int, default=0, help="stop tokens for about this mean length (0: none)")
     parser.add_argument("--phases", action="store_true",
                         help="also time the engine without log-probs and without seeds, and print a profile "
                              "of its kernels to stderr")
     args = parser.parse_args()
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    vocab = SHAPES[args.model]["vocab_size"]
+    stop_ids = stop_ids_for(args.mean_length, vocab)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(args.model, Path(tmp) / "model", dtype)
-        engine = EmbeddedEngine(str(model_dir), dtype=str(dtype).removeprefix("torch."),
-                                max_batch_size=args.engine_batch)
-        work = prompts(args.num_seqs, args.prompt_len, SHAPES[args.model]["vocab_size"])
-        params = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+        engine = EmbeddedEngine(str(model_dir), dtype=str(dtype).removeprefix("torch."), max_batch_size=args.batch)
+        work = prompts(args.num_seqs, args.prompt_len, vocab)
+        params = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True, "stop_token_ids": stop_ids}
         print("warm-up (compilation)...", file=sys.stderr)
-        engine.generate(work[: args.engine_batch], params, return_logprob=True, seed=0)
+        engine.generate(work[: args.batch], params, return_logprob=True, seed=0)
         sync()
         started = time.perf_counter()
         outs = engine.generate(work, params, return_logprob=True, seed=1)
@@ -121,14 +136,14 @@ def main() -> None:
         produced = sum(len(o["output_ids"]) for o in outs)
         phases = engine_phases(engine, work, params) if args.phases else {}
         print("baseline...", file=sys.stderr)
-        hf_baseline(engine.model, work[: args.baseline_batch], 4, args.baseline_batch, engine.pad_id)  # warm-up
-        base = hf_baseline(engine.model, work, args.new_tokens, args.baseline_batch, engine.pad_id)
-    total = args.num_seqs * args.new_tokens
+        hf_baseline(engine.model, work[: args.batch], 4, args.batch, engine.pad_id, stop_ids)  # warm-up
+        base, base_produced = hf_baseline(engine.model, work, args.new_tokens, args.batch, engine.pad_id, stop_ids)
     print(json.dumps({
         "model": args.model, "device": str(engine.device), "num_seqs": args.num_seqs, "new_tokens": args.new_tokens,
-        "engine_tokens_per_s": round(produced / ours), "hf_generate_tokens_per_s": round(total / base),
-        "speedup": round((produced / ours) / (total / base), 2), "engine_static_cache": engine.fast,
-        "engine_batch": args.engine_batch, "baseline_batch": args.baseline_batch, **phases,
+        "batch": args.batch, "mean_length_target": args.mean_length, "slot_decoding": engine.slots is not None,
+        "engine_mean_length": round(produced / len(outs), 1), "hf_mean_length": round(base_produced / len(work), 1),
+        "engine_tokens_per_s": round(produced / ours), "hf_generate_tokens_per_s": round(base_produced / base),
+        "speedup": round((produced / ours) / (base_produced / base), 2), **phases,
     }))
 
 
