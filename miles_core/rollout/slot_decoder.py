@@ -17,8 +17,11 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, TopKLogitsWarper, TopPLogitsWarper
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache, TopKLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 KV_CACHE_FRACTION = 0.4
 """Share of the free accelerator memory the slots' KV cache may take when it is allocated."""
@@ -28,6 +31,29 @@ CHECK_EVERY_STEPS = 8
 """Decode steps between host checks for finished slots (each check is one device sync)."""
 SLOT_MULTIPLE, COLUMN_MULTIPLE = 16, 128
 """Slot counts and cache widths are rounded up to these so compiled steps are reused across calls."""
+
+
+SLOT_ATTENTION = "miles_slot_sdpa"
+
+
+def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """transformers' SDPA attention, except one-token decode steps of grouped-query models: there
+    each key/value head attends its group of query heads as query rows, so the cache is read
+    once instead of being copied once per query head (transformers' repeat_kv), which took
+    half of a decode step at 256 slots x 384 columns on an H100."""
+    batch, query_heads, query_length, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if query_length != 1 or query_heads == kv_heads or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    grouped = query.reshape(batch, kv_heads, query_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, query_heads, 1, head_dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(SLOT_ATTENTION, slot_attention)
+AttentionMaskInterface.register(SLOT_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 class SlotLayer(CacheLayerMixin):
@@ -120,6 +146,7 @@ class SlotDecoder:
 
     def __init__(self, model, pad_id: int, uniform, max_slots: int, compile_steps: bool):
         self.model, self.pad_id, self.uniform, self.max_slots = model, pad_id, uniform, max_slots
+        model.set_attn_implementation(SLOT_ATTENTION)
         self.compiled = compile_steps
         self.forward = model.get_compiled_call(None) if compile_steps else model
         self.sample = torch.compile(sample_next, dynamic=False) if compile_steps else sample_next
