@@ -60,7 +60,8 @@ def hf_baseline(model, batch: list[list[int]], new_tokens: int, batch_size: int,
     for start in range(0, len(batch), batch_size):
         ids = torch.tensor(batch[start : start + batch_size], device=model.device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                             max_new_tokens=new_tokens, pad_token_id=pad_id, eos_token_id=stop_ids or None)
+                             top_k=0, max_new_tokens=new_tokens, pad_token_id=pad_id,  # top_k=0: the full softmax
+                             eos_token_id=stop_ids or [model.config.vocab_size])  # no stop ids: none stops
         new = out[:, ids.shape[1]:]
         stopped = torch.isin(new, stops)
         first_stop = torch.where(stopped.any(-1), stopped.int().argmax(-1) + 1, new.shape[1])

@@ -137,7 +137,8 @@ class EmbeddedEngine:
             top_p=sampling.top_p if sample_in_hf else None,
             top_k=sampling.top_k if sample_in_hf else None,
             max_new_tokens=sampling.max_new_tokens,
-            eos_token_id=list(sampling.stop_ids) or None,
+            # with no stop ids, an id no step can sample: None would take the model's default EOS
+            eos_token_id=list(sampling.stop_ids) or [self.model.config.vocab_size],
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
             output_logits=return_logprob,

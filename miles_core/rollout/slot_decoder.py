@@ -8,6 +8,11 @@ its neighbours keep decoding. The attention mask of a step is "column <= my posi
 passed to the model as a ready 4D mask, so transformers' mask building and cache offsets are
 not involved. On CUDA the model forward runs through transformers' compiled call (CUDA graphs
 over the static cache addresses) and the sampler through torch.compile.
+
+The cache only grows. A call decodes the first `slots` rows of it (its prompt count, rounded)
+and attends only the first `columns` columns (a power of two past the longest sequence so
+far), so short calls and early steps do not pay for the cache's full size; each (slots,
+columns) pair is one compiled variant, built on first use and kept.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ CHECK_EVERY_STEPS = 8
 """Decode steps between host checks for finished slots (each check is one device sync)."""
 SLOT_MULTIPLE, COLUMN_MULTIPLE = 16, 128
 """Slot counts and cache widths are rounded up to these so compiled steps are reused across calls."""
+COMPILED_VARIANTS = 64
+"""torch.compile variants the decode step may keep: (slots, columns) pairs over a process's calls."""
 
 
 SLOT_ATTENTION = "miles_slot_sdpa"
@@ -58,7 +65,8 @@ AttentionMaskInterface.register(SLOT_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sd
 
 class SlotLayer(CacheLayerMixin):
     """One decoder layer's keys and values for every slot, [slots, kv_heads, columns, head_dim];
-    a decode step writes slot s's token at column positions[s]."""
+    a decode step writes slot s's token at column positions[s] and attends the active window
+    [:active_slots, :, :active_columns]."""
 
     is_compileable = True
     is_sliding = False
@@ -68,6 +76,7 @@ class SlotLayer(CacheLayerMixin):
         self.keys, self.values, self.positions = keys, values, positions
         self.rows = torch.arange(keys.shape[0], device=keys.device)
         self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+        self.active_slots, self.active_columns = keys.shape[0], keys.shape[2]
         for tensor in (self.keys, self.values, self.positions, self.rows):
             torch._dynamo.mark_static_address(tensor)  # in-place updates keep CUDA graphs valid
 
@@ -75,12 +84,14 @@ class SlotLayer(CacheLayerMixin):
         """Allocated up front: nothing to do."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys[self.rows, :, self.positions] = key_states[:, :, 0]
-        self.values[self.rows, :, self.positions] = value_states[:, :, 0]
-        return self.keys, self.values
+        slots, columns = self.active_slots, self.active_columns
+        rows, positions = self.rows[:slots], self.positions[:slots]
+        self.keys[rows, :, positions] = key_states[:, :, 0]
+        self.values[rows, :, positions] = value_states[:, :, 0]
+        return self.keys[:slots, :, :columns], self.values[:slots, :, :columns]
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.keys.shape[2], 0
+        return self.active_columns, 0
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return 0  # positions and the mask are passed in; nothing reads a shared length
@@ -148,6 +159,8 @@ class SlotDecoder:
         self.model, self.pad_id, self.uniform, self.max_slots = model, pad_id, uniform, max_slots
         model.set_attn_implementation(SLOT_ATTENTION)
         self.compiled = compile_steps
+        if compile_steps:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_VARIANTS)
         self.forward = model.get_compiled_call(None) if compile_steps else model
         self.sample = torch.compile(sample_next, dynamic=False) if compile_steps else sample_next
         self.cache: Cache | None = None
@@ -156,27 +169,31 @@ class SlotDecoder:
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None, sampling: Sampling) -> list[Finished]:
         columns = round_up(max(len(p) for p in prompts) + sampling.max_new_tokens, COLUMN_MULTIPLE)
-        run = _Run(self, prompts, seeds, sampling, self._cache_for(len(prompts), columns))
+        slots = self._fit(len(prompts), columns)
+        run = _Run(self, prompts, seeds, sampling, slots)
         return run.finish()
 
-    def _cache_for(self, num_prompts: int, columns: int) -> Cache:
-        """The slots' cache, reused while its shape fits so compiled steps and their graphs stay valid."""
+    def _fit(self, num_prompts: int, columns: int) -> int:
+        """Slots for a call of `num_prompts` prompts needing `columns` columns, growing the cache
+        (never shrinking it, so compiled variants and their graphs stay valid) where it is short."""
         config = self.model.config
         kv_heads = config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype, device = self.model.dtype, self.model.device
+        held = (0, 0) if self.cache is None else (self.cache.layers[0].keys.shape[0], self.cache.layers[0].keys.shape[2])
+        columns = max(columns, held[1])
         slot_bytes = 2 * config.num_hidden_layers * kv_heads * columns * head_dim * dtype.itemsize
         slots = min(round_up(num_prompts, SLOT_MULTIPLE), self.max_slots, max(1, self._kv_budget_bytes() // slot_bytes))
-        current = self.cache.layers[0].keys.shape if self.cache is not None else None
-        if current is not None and current[0] == slots and current[2] == columns:
-            return self.cache
+        if slots <= held[0] and columns <= held[1]:
+            return slots
+        slots = max(slots, held[0])
         self.cache = None
         positions = torch.zeros(slots, dtype=torch.long, device=device)
         shape = (slots, kv_heads, columns, head_dim)
         layers = [SlotLayer(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                             positions) for _ in range(config.num_hidden_layers)]
         self.cache = Cache(layers=layers)
-        return self.cache
+        return slots
 
     def _kv_budget_bytes(self) -> int:
         device = self.model.device
@@ -190,14 +207,15 @@ class _Run:
     """One generate call's state: which request each slot holds, and the device-side counters."""
 
     def __init__(self, decoder: SlotDecoder, prompts: list[list[int]], seeds: list[int] | None,
-                 sampling: Sampling, cache: Cache):
-        self.decoder, self.prompts, self.sampling, self.cache = decoder, prompts, sampling, cache
-        first = cache.layers[0]
-        self.positions, num_slots, self.columns = first.positions, first.keys.shape[0], first.keys.shape[2]
+                 sampling: Sampling, num_slots: int):
+        self.decoder, self.prompts, self.sampling, self.cache = decoder, prompts, sampling, decoder.cache
+        first = self.cache.layers[0]
+        self.positions, self.columns = first.positions[:num_slots], first.keys.shape[2]
         device = first.keys.device
         self.request_seeds = torch.tensor(seeds if seeds is not None else [0] * len(prompts), dtype=torch.long)
         self.stop_ids = torch.tensor(sampling.stop_ids or (-1,), device=device)
         self.column_ids = torch.arange(self.columns, device=device)
+        self.window = COLUMN_MULTIPLE
         self.all_slots = torch.arange(num_slots, device=device)
         self.mask_dtype = first.keys.dtype
         self.slot_request = [-1] * num_slots
@@ -215,11 +233,20 @@ class _Run:
     def finish(self) -> list[Finished]:
         self._refill(list(range(len(self.slot_request))))
         while any(r >= 0 for r in self.slot_request):
+            self._fit_window()
             for _ in range(CHECK_EVERY_STEPS):
                 self._step()
             done = self.done.tolist()
             self._refill([s for s, r in enumerate(self.slot_request) if r >= 0 and done[s]])
         return self.results
+
+    def _fit_window(self) -> None:
+        """Attend a power of two of columns past where any slot can reach before the next check."""
+        reach = int(self.positions.max()) + CHECK_EVERY_STEPS + 1
+        while self.window < min(reach, self.columns):
+            self.window *= 2
+        for layer in self.cache.layers:
+            layer.active_slots, layer.active_columns = len(self.slot_request), min(self.window, self.columns)
 
     def _refill(self, free_slots: list[int]) -> None:
         """Collect the finished slots' results and prefill the next waiting prompts into them."""
@@ -278,7 +305,7 @@ class _Run:
 
     @torch.no_grad()
     def _step(self) -> None:
-        visible = self.column_ids[None, :] <= self.positions[:, None]
+        visible = self.column_ids[None, : self.window] <= self.positions[:, None]
         mask = torch.where(visible, 0.0, torch.finfo(self.mask_dtype).min).to(self.mask_dtype)[:, None, None, :]
         if self.decoder.compiled:
             torch.compiler.cudagraph_mark_step_begin()

@@ -68,14 +68,31 @@ def test_stop_tokens_end_a_sequence_and_ignore_eos_runs_to_the_budget(engines, m
         assert {o["meta_info"]["finish_reason"]["type"] for o in ignored} == {"length"}
 
 
-def test_the_kv_cache_holds_only_the_slots_its_budget_allows(engines, monkeypatch):
-    reference, slots = engines
-    config = slots.model.config
+def test_the_kv_cache_holds_only_the_slots_its_budget_allows(tiny_model_dir, engines, monkeypatch):
+    reference, _ = engines
+    engine = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=True)
+    config = engine.model.config
     columns = slot_decoder.COLUMN_MULTIPLE
     per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * columns * config.head_dim * 4
-    monkeypatch.setattr(slots.slots, "_kv_budget_bytes", lambda: 3 * per_slot)
+    monkeypatch.setattr(engine.slots, "_kv_budget_bytes", lambda: 3 * per_slot)
     work = prompts(7)
     params = {"temperature": 1.0, "max_new_tokens": 6}
-    got = slots.generate(work, params, seed=3)
-    assert slots.slots.cache.layers[0].keys.shape[:3] == (3, config.num_key_value_heads, columns)
+    got = engine.generate(work, params, seed=3)
+    assert engine.slots.cache.layers[0].keys.shape[:3] == (3, config.num_key_value_heads, columns)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference.generate(work, params, seed=3)]
+
+
+def test_long_sequences_widen_the_attended_window_and_a_short_call_reuses_the_cache(engines):
+    """Past 128 columns the step attends 256; a later call with fewer prompts and tokens decodes
+    a corner of the same cache."""
+    reference, slots = engines
+    params = {"temperature": 1.0, "max_new_tokens": 150, "ignore_eos": True}
+    work = prompts(5)
+    long = slots.generate(work, params, seed=11)
+    assert slots.slots.cache.layers[0].active_columns == 256
+    assert [o["output_ids"] for o in long] == [o["output_ids"] for o in reference.generate(work, params, seed=11)]
+    cache = slots.slots.cache
+    short = slots.generate(work[:2], {"temperature": 1.0, "max_new_tokens": 4}, seed=12)
+    assert slots.slots.cache is cache and cache.layers[0].active_slots == 4
+    assert [o["output_ids"] for o in short] == [o["output_ids"] for o in reference.generate(
+        work[:2], {"temperature": 1.0, "max_new_tokens": 4}, seed=12)]
