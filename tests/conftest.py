@@ -18,7 +18,7 @@ def run_env(prefect_api: dict[str, str] | None = None, **extra: str) -> dict[str
     MLflow settings other tests may have set, with the repo importable. Given `prefect_api`
     (the fixture), runs use that server, as under a user's stack; without it each run starts
     Prefect's temporary server under its work dir, as a bare `miles run` does."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != "MLFLOW_TRACKING_URI"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     return {**env, "PYTHONPATH": str(REPO), **(prefect_api or {}), **extra}
 
 

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_env
 
 CHILD = r"""
 import json, shutil, sys
@@ -38,9 +38,8 @@ print("RESULT " + json.dumps(check()))
 
 
 def _child_env(prefect_home) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    return {**env, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(prefect_home),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false"}
+    return run_env(PREFECT_HOME=str(prefect_home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                   PREFECT_RESULTS_PERSIST_BY_DEFAULT="false")
 
 
 def test_each_work_dir_gets_its_own_artifacts_and_deleted_files_are_rebuilt(tmp_path):
