@@ -174,26 +174,28 @@ class SlotDecoder:
         return run.finish()
 
     def _fit(self, num_prompts: int, columns: int) -> int:
-        """Slots for a call of `num_prompts` prompts needing `columns` columns, growing the cache
-        (never shrinking it, so compiled variants and their graphs stay valid) where it is short."""
+        """Slots for a call of `num_prompts` prompts needing `columns` columns. The cache grows
+        where it is short, within the KV budget, and never shrinks, so compiled variants and
+        their graphs stay valid across calls."""
         config = self.model.config
         kv_heads = config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dtype, device = self.model.dtype, self.model.device
-        held = (0, 0) if self.cache is None else (self.cache.layers[0].keys.shape[0], self.cache.layers[0].keys.shape[2])
-        columns = max(columns, held[1])
+        held = (0, 0, 0) if self.cache is None else self.cache.layers[0].keys.shape
+        held_slots, held_columns = held[0], held[2]
+        wanted = min(round_up(num_prompts, SLOT_MULTIPLE), self.max_slots)
+        columns = max(columns, held_columns)
         slot_bytes = 2 * config.num_hidden_layers * kv_heads * columns * head_dim * dtype.itemsize
-        slots = min(round_up(num_prompts, SLOT_MULTIPLE), self.max_slots, max(1, self._kv_budget_bytes() // slot_bytes))
-        if slots <= held[0] and columns <= held[1]:
-            return slots
-        slots = max(slots, held[0])
+        slots = min(max(wanted, held_slots), max(1, self._kv_budget_bytes() // slot_bytes))
+        if columns == held_columns and slots <= held_slots:
+            return min(wanted, held_slots)
         self.cache = None
         positions = torch.zeros(slots, dtype=torch.long, device=device)
         shape = (slots, kv_heads, columns, head_dim)
         layers = [SlotLayer(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                             positions) for _ in range(config.num_hidden_layers)]
         self.cache = Cache(layers=layers)
-        return slots
+        return min(wanted, slots)
 
     def _kv_budget_bytes(self) -> int:
         device = self.model.device

@@ -80,6 +80,10 @@ def test_the_kv_cache_holds_only_the_slots_its_budget_allows(tiny_model_dir, eng
     got = engine.generate(work, params, seed=3)
     assert engine.slots.cache.layers[0].keys.shape[:3] == (3, config.num_key_value_heads, columns)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference.generate(work, params, seed=3)]
+    longer = {"temperature": 1.0, "max_new_tokens": 140}  # 256 columns: within the same bytes, 1 slot
+    got = engine.generate(work, longer, seed=4)
+    assert engine.slots.cache.layers[0].keys.shape[:3] == (1, config.num_key_value_heads, 2 * columns)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference.generate(work, longer, seed=4)]
 
 
 def test_long_sequences_widen_the_attended_window_and_a_short_call_reuses_the_cache(engines):
