@@ -8,6 +8,7 @@ engine-agnostic.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
@@ -62,6 +65,9 @@ class EmbeddedEngine:
         self.weight_version = "default"  # SGLang's before any update
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_id = self.tokenizer.eos_token_id
+        # Checked between decode steps: True ends the running call with what each sequence has
+        # (prompts not started come back empty); how the HTTP service's /abort_request gets in.
+        self.interrupted: Callable[[], bool] | None = None
         use_slots = self.device.type == "cuda" if slot_decoding is None else slot_decoding
         self.slots = (SlotDecoder(self.model, self.pad_id, counter_uniform, max_batch_size,
                                   compile_steps=self.device.type == "cuda") if use_slots else None)
@@ -102,7 +108,7 @@ class EmbeddedEngine:
             raise ValueError(f"{len(seeds)} seeds for {len(input_ids)} prompts")
         sampling = self._sampling(sampling_params, seeded=seeds is not None)
         if self.slots is not None:
-            finished = self.slots.generate(input_ids, seeds, sampling)
+            finished = self.slots.generate(input_ids, seeds, sampling, self.interrupted)
         else:
             finished = []
             for start in range(0, len(input_ids), self.max_batch_size):
@@ -143,8 +149,9 @@ class EmbeddedEngine:
             return_dict_in_generate=True,
             output_logits=return_logprob,
         )
+        interrupt = StoppingCriteriaList([Interrupt(self.interrupted)] if self.interrupted else [])
         out = self.model.generate(input_ids=batch, attention_mask=attention, generation_config=config,
-                                  logits_processor=processors)
+                                  logits_processor=processors, stopping_criteria=interrupt)
         new_tokens = out.sequences[:, batch.shape[1]:]
         logprobs = torch.zeros(new_tokens.shape)
         if return_logprob:
@@ -227,6 +234,16 @@ class EmbeddedEngine:
             meta["output_token_logprobs"] = [[float(lp), t, None] for lp, t in zip(done.logprobs, ids)]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+class Interrupt(StoppingCriteria):
+    """Ends transformers' generate for every row once `check` returns True."""
+
+    def __init__(self, check: Callable[[], bool]):
+        self.check = check
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.check(), dtype=torch.bool, device=input_ids.device)
 
 
 class SeededSampling(LogitsProcessor):

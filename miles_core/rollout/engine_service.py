@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from miles_core.net import init_custom_process_group
 from miles_core.rollout.engine import EmbeddedEngine, split_sampling_params
@@ -40,20 +39,6 @@ class Request:
         self.rids = rids
         self.aborted = threading.Event()
         self.stopped_early = False
-
-
-class _AbortCriteria(StoppingCriteria):
-    """Checked by transformers after every decode step: ends the running batch on abort."""
-
-    def __init__(self, service: EngineService):
-        self.service = service
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        req = self.service.current
-        stop = req is not None and req.aborted.is_set()
-        if stop:
-            req.stopped_early = True
-        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
 class EngineService:
@@ -92,7 +77,7 @@ class EngineService:
             engine = EmbeddedEngine(self.model_path, dtype=self.dtype, num_threads=self.num_threads)
             if self.initial_version is not None:  # else SGLang's start, "default" (EmbeddedEngine's too)
                 engine.weight_version = str(self.initial_version)
-            _install_abort_hook(engine, _AbortCriteria(self))
+            engine.interrupted = self._running_request_aborted
             self.engine = engine
         except BaseException as exc:  # surfaced by wait_ready / the health endpoint's log
             logger.exception("loading %s failed", self.model_path)
@@ -133,6 +118,14 @@ class EngineService:
             self.abort()
 
     # ---- generation (worker thread) -------------------------------------------------------
+
+    def _running_request_aborted(self) -> bool:
+        """The engine's interrupt check, between decode steps: /abort_request ends the running batch."""
+        req = self.current
+        stop = req is not None and req.aborted.is_set()
+        if stop:
+            req.stopped_early = True
+        return stop
 
     def generate(self, req: Request, prompts: list[list[int]], body: dict) -> list[dict]:
         if self.stale_cache_version is not None:
@@ -271,19 +264,6 @@ class EngineService:
     def weights_sha256(self) -> str:
         with self.lock:
             return self.engine.weights_sha256()
-
-
-def _install_abort_hook(engine: EmbeddedEngine, criteria: StoppingCriteria) -> None:
-    """EmbeddedEngine.generate takes no stopping criteria, so wrap its model's generate (on
-    this instance only) to add one; this is what lets /abort_request end a running batch."""
-    original = engine.model.generate
-
-    def generate(*args: Any, **kwargs: Any):
-        extra = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
-        extra.append(criteria)
-        return original(*args, stopping_criteria=extra, **kwargs)
-
-    engine.model.generate = generate
 
 
 def _flush(body: dict) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -167,11 +168,14 @@ class SlotDecoder:
         # transformers >= 5.24 names the cache argument `cache` (`past_key_values` before)
         self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def generate(self, prompts: list[list[int]], seeds: list[int] | None, sampling: Sampling) -> list[Finished]:
+    def generate(self, prompts: list[list[int]], seeds: list[int] | None, sampling: Sampling,
+                 interrupted: Callable[[], bool] | None = None) -> list[Finished]:
+        """interrupted: checked between decode steps (every CHECK_EVERY_STEPS); True ends the call
+        with what each sequence has, and prompts not started come back empty."""
         columns = round_up(max(len(p) for p in prompts) + sampling.max_new_tokens, COLUMN_MULTIPLE)
         slots = self._fit(len(prompts), columns)
         run = _Run(self, prompts, seeds, sampling, slots)
-        return run.finish()
+        return run.finish(interrupted or (lambda: False))
 
     def _fit(self, num_prompts: int, columns: int) -> int:
         """Slots for a call of `num_prompts` prompts needing `columns` columns. The cache grows
@@ -232,12 +236,15 @@ class _Run:
         self.waiting = deque(range(len(prompts)))
         self.results: list[Finished | None] = [None] * len(prompts)
 
-    def finish(self) -> list[Finished]:
+    def finish(self, interrupted: Callable[[], bool]) -> list[Finished]:
         self._refill(list(range(len(self.slot_request))))
         while any(r >= 0 for r in self.slot_request):
             self._fit_window()
             for _ in range(CHECK_EVERY_STEPS):
                 self._step()
+            if interrupted():
+                self._collect(list(range(len(self.slot_request))))
+                return [r if r is not None else Finished([], [], False) for r in self.results]
             done = self.done.tolist()
             self._refill([s for s, r in enumerate(self.slot_request) if r >= 0 and done[s]])
         return self.results

@@ -100,3 +100,17 @@ def test_long_sequences_widen_the_attended_window_and_a_short_call_reuses_the_ca
     assert slots.slots.cache is cache and cache.layers[0].active_slots == 4
     assert [o["output_ids"] for o in short] == [o["output_ids"] for o in reference.generate(
         work[:2], {"temperature": 1.0, "max_new_tokens": 4}, seed=12)]
+
+
+def test_an_interrupt_ends_the_running_slots_and_leaves_the_waiting_prompts_empty(engines, monkeypatch):
+    """What /abort_request relies on: the check runs between decode steps, and the sequences
+    keep the tokens they had."""
+    reference, slots = engines
+    params = {"temperature": 1.0, "max_new_tokens": 50, "ignore_eos": True}
+    work = prompts(10)
+    monkeypatch.setattr(slots, "interrupted", lambda: True)
+    got = slots.generate(work, params, seed=21)
+    whole = reference.generate(work, params, seed=21)
+    steps = slot_decoder.CHECK_EVERY_STEPS + 1  # the prefill's token, then one check's steps
+    assert [len(o["output_ids"]) for o in got] == [steps] * 4 + [0] * 6
+    assert all(o["output_ids"] == w["output_ids"][: len(o["output_ids"])] for o, w in zip(got, whole))
