@@ -69,8 +69,10 @@ class EmbeddedEngine:
         # (prompts not started come back empty); how the HTTP service's /abort_request gets in.
         self.interrupted: Callable[[], bool] | None = None
         use_slots = self.device.type == "cuda" if slot_decoding is None else slot_decoding
-        self.slots = (SlotDecoder(self.model, self.pad_id, counter_uniform, max_batch_size,
-                                  compile_steps=self.device.type == "cuda") if use_slots else None)
+        # transformers marks the models whose forward compiles as one graph (CUDA graphs need it)
+        compile_steps = self.device.type == "cuda" and getattr(self.model, "_can_compile_fullgraph", False)
+        self.slots = (SlotDecoder(self.model, self.pad_id, counter_uniform, max_batch_size, compile_steps)
+                      if use_slots else None)
 
     def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:
         """HF-named weights in either MoE expert layout (see miles_core.weight_layout)."""
