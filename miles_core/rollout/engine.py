@@ -109,6 +109,7 @@ class EmbeddedEngine:
         if seeds is not None and len(seeds) != len(input_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(input_ids)} prompts")
         sampling = self._sampling(sampling_params, seeded=seeds is not None)
+        self._check_lengths(input_ids, sampling.max_new_tokens)
         if self.slots is not None:
             finished = self.slots.generate(input_ids, seeds, sampling, self.interrupted)
         else:
@@ -123,6 +124,25 @@ class EmbeddedEngine:
             for out, routed in zip(outputs, experts):
                 out["meta_info"]["routed_experts"] = routed.tolist()
         return outputs
+
+    def _check_lengths(self, input_ids: list[list[int]], max_new_tokens: int) -> None:
+        """SGLang's request checks (TokenizerManager._validate_one_request and
+        _validate_input_ids_in_vocab), with its messages: a prompt and its budget must fit the
+        context length, and every id must be in the vocabulary."""
+        context, vocab = self.model.config.max_position_embeddings, self.model.config.vocab_size
+        for ids in input_ids:
+            if len(ids) >= context:
+                raise ValueError(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                                 f"({context} tokens).")
+            if len(ids) + max_new_tokens >= context:
+                raise ValueError(
+                    f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
+                    f"requested a total of {len(ids) + max_new_tokens} tokens: {len(ids)} tokens from the input "
+                    f"messages and {max_new_tokens} tokens for the completion. Please reduce the number of tokens "
+                    "in the input messages or the completion to fit within the limit.")
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise ValueError(f"The input_ids contain {outside[:5]}, outside the vocab size ({vocab}).")
 
     def _sampling(self, params: dict[str, Any], seeded: bool) -> Sampling:
         temperature = float(params.get("temperature", 1.0))

@@ -153,6 +153,21 @@ def test_sampling_seed_is_per_request(client):
     assert err.value.status == 400
 
 
+def test_requests_past_the_context_length_or_vocabulary_are_refused_as_sglang_refuses_them(server, client):
+    """SGLang's TokenizerManager checks: prompt + max_new_tokens must stay under the context
+    length (the model's max_position_embeddings), and every id must be in the vocabulary."""
+    config = server.engine.model.config
+    context, vocab = config.max_position_embeddings, config.vocab_size
+    cases = [([5] * context, {"max_new_tokens": 1}, "is longer than the model's context length"),
+             ([5] * 10, {"max_new_tokens": context - 10}, "Requested token count exceeds"),
+             ([5, vocab], {"max_new_tokens": 2}, "outside the vocab size")]
+    for prompt, params, message in cases:
+        with pytest.raises(EngineError, match=message) as err:
+            client.generate(prompt, params)
+        assert err.value.status == 400
+    assert len(client.generate([5] * 10, {"max_new_tokens": context - 11})[0]["output_ids"]) >= 1
+
+
 def test_generate_from_text(server):
     body = {"text": ["1+1=", "2*3="], "sampling_params": GREEDY, "rid": ["a", "b"]}
     out = requests.post(server.url + "/generate", json=body, timeout=30).json()
