@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,9 @@ class EngineService:
         self.load_error: BaseException | None = None
         self.loaded = threading.Event()
         self.lock = threading.Lock()
+        # Generation runs on this one thread: torch keeps compiled steps' CUDA graphs per thread
+        # (cudagraph trees are thread-local), so a pool of threads would record them once each.
+        self.generation_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-generate")
         self.current: Request | None = None
         self.requests: dict[int, Request] = {}
         self.paused = False

@@ -11,6 +11,7 @@ The routes are thin: what they do is `engine_service.EngineService`'s.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import logging
 import os
@@ -144,7 +145,8 @@ def _add_generate_routes(app: FastAPI, service: EngineService) -> None:
         req = service.register(rids)
         try:
             await service.wait_unpaused(req)
-            outs = await run_in_threadpool(service.generate, req, prompts, body)
+            outs = await asyncio.get_running_loop().run_in_executor(service.generation_thread, service.generate,
+                                                                    req, prompts, body)
         except (ValueError, TypeError) as exc:  # bad sampling params: the caller's error
             return _error(400, f"{type(exc).__name__}: {exc}")
         finally:
@@ -278,6 +280,7 @@ class ServerHandle:
         self.service.abort()  # so a running batch ends and the graceful shutdown is quick
         self._server.should_exit = True
         self._thread.join(timeout)
+        self.service.generation_thread.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> ServerHandle:
         return self

@@ -168,6 +168,17 @@ def test_requests_past_the_context_length_or_vocabulary_are_refused_as_sglang_re
     assert len(client.generate([5] * 10, {"max_new_tokens": context - 11})[0]["output_ids"]) >= 1
 
 
+def test_every_generation_runs_on_the_one_generation_thread(server, client, monkeypatch):
+    """Compiled decode steps keep their CUDA graphs per thread; requests served from a pool of
+    threads would record them once per thread."""
+    threads, generate = [], server.engine.generate
+    monkeypatch.setattr(server.engine, "generate",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or generate(*a, **k))
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: client.generate([5, 6, i], {"max_new_tokens": 2}), range(6)))
+    assert len(threads) == 6 and len(set(threads)) == 1 and threads[0].startswith("engine-generate")
+
+
 def test_generate_from_text(server):
     body = {"text": ["1+1=", "2*3="], "sampling_params": GREEDY, "rid": ["a", "b"]}
     out = requests.post(server.url + "/generate", json=body, timeout=30).json()
