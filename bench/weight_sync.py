@@ -3,6 +3,7 @@ and embedded engine actor (TrainingRun, placed as `miles run` places a colocated
 weights with no rollouts in between.
 
     python bench/weight_sync.py --model qwen3-0.6b-shape --transports shared_memory object_store disk
+    python bench/weight_sync.py --backend megatron --transports shared_memory object_store
 
 The floor is one `torch._foreach_copy_` of the same weights into the engine's dtype, on the same
 device, measured in this process. Prints one JSON line: per transport the median sync over the
@@ -35,11 +36,12 @@ from _common import (
 TRANSPORTS = ("shared_memory", "object_store", "disk", "broadcast")
 
 
-def time_transport(transport: str, model_dir: Path, train_path: Path, work: Path, gpu: bool, pushes: int) -> dict:
+def time_transport(transport: str, backend: str, model_dir: Path, train_path: Path, work: Path, gpu: bool,
+                   pushes: int) -> dict:
     from miles_core.run import TrainingRun
 
-    cfg = local_config(["training.num_steps=1", *colocated_overrides(gpu, transport)])
-    run = TrainingRun.open(cfg, work / f"run-{transport}", str(model_dir), str(train_path))
+    cfg = local_config(["training.num_steps=1", f"training.backend={backend}", *colocated_overrides(gpu, transport)])
+    run = TrainingRun.open(cfg, work / f"run-{backend}-{transport}", str(model_dir), str(train_path))
     try:
         rows = []
         for version in range(1, pushes + 1):
@@ -56,6 +58,7 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-0.6b-shape", choices=["tiny", "qwen3-0.6b-shape"])
     parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS[:3]), choices=TRANSPORTS)
     parser.add_argument("--pushes", type=int, default=6, help="pushes per transport (the first is not counted)")
+    parser.add_argument("--backend", default="fsdp2", choices=["fsdp2", "megatron"], help="the sending trainer")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args()
     setup_env()
@@ -70,7 +73,7 @@ def main() -> None:
     try:
         for transport in args.transports:
             started = time.perf_counter()
-            results[transport] = time_transport(transport, model_dir, train_path, work, gpu, args.pushes)
+            results[transport] = time_transport(transport, args.backend, model_dir, train_path, work, gpu, args.pushes)
             log(f"{transport}: {results[transport]} ({time.perf_counter() - started:.0f} s with actor start)")
     finally:
         ray.shutdown()
@@ -79,7 +82,8 @@ def main() -> None:
     for row in results.values():
         row["over_copy_floor"] = row["sync_seconds"] / floor
     print(json.dumps(rounded({
-        "bench": "weight_sync", "model": args.model, "gpu": torch.cuda.get_device_name() if gpu else None,
+        "bench": "weight_sync", "backend": args.backend, "model": args.model,
+        "gpu": torch.cuda.get_device_name() if gpu else None,
         "engine_dtype": engine_dtype, "pushes": args.pushes, "copy_floor_seconds": floor, "transports": results,
     }, digits=6)), flush=True)
 
