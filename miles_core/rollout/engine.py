@@ -63,8 +63,9 @@ class EmbeddedEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
         self.weight_version = "default"  # SGLang's before any update
-        self.pad_id = self.tokenizer.pad_token_id
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         # Checked between decode steps: True ends the running call with what each sequence has
         # (prompts not started come back empty); how the HTTP service's /abort_request gets in.
         self.interrupted: Callable[[], bool] | None = None
@@ -145,11 +146,22 @@ class EmbeddedEngine:
                 raise ValueError(f"The input_ids contain {outside[:5]}, outside the vocab size ({vocab}).")
 
     def _sampling(self, params: dict[str, Any], seeded: bool) -> Sampling:
-        temperature = float(params.get("temperature", 1.0))
-        stop_ids = ([] if params.get("ignore_eos") else [self.eos_id]) + list(params.get("stop_token_ids", []))
-        return Sampling(temperature=temperature, top_p=float(params.get("top_p", 1.0)),
-                        top_k=int(params.get("top_k", 0)) or None, max_new_tokens=int(params.get("max_new_tokens", 16)),
-                        stop_ids=tuple(dict.fromkeys(stop_ids)), seeded=seeded and temperature != 0.0)
+        """SGLang's SamplingParams, as its __init__ normalises and verify() checks them: a
+        temperature under 1e-6 is greedy, top_k -1 is off; ignore_eos turns off every stop id
+        (EOS and stop_token_ids alike), as SGLang's Req.check_finished does."""
+        temperature, top_p = float(params.get("temperature", 1.0)), float(params.get("top_p", 1.0))
+        top_k = int(params.get("top_k", -1))
+        if temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {temperature}.")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+        if top_k != -1 and top_k < 1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+        greedy = temperature < 1e-6
+        stop_ids = () if params.get("ignore_eos") else (*self.eos_ids, *params.get("stop_token_ids", ()))
+        return Sampling(temperature=0.0 if greedy else temperature, top_p=top_p, top_k=None if top_k == -1 else top_k,
+                        max_new_tokens=int(params.get("max_new_tokens", 16)), stop_ids=tuple(dict.fromkeys(stop_ids)),
+                        seeded=seeded and not greedy)
 
     def _generate_batch(self, input_ids: list[list[int]], sampling: Sampling, return_logprob: bool,
                         seeds: list[int] | None) -> list[Finished]:
@@ -161,9 +173,10 @@ class EmbeddedEngine:
         sample_in_hf = not sampling.greedy and not sampling.seeded  # a seeded sample is the argmax of its scores
         config = GenerationConfig(
             do_sample=sample_in_hf,
+            # explicit values: None would take the model's generation_config or transformers' top_k=50
             temperature=sampling.temperature if sample_in_hf else None,
             top_p=sampling.top_p if sample_in_hf else None,
-            top_k=sampling.top_k if sample_in_hf else None,
+            top_k=(sampling.top_k or 0) if sample_in_hf else None,
             max_new_tokens=sampling.max_new_tokens,
             # with no stop ids, an id no step can sample: None would take the model's default EOS
             eos_token_id=list(sampling.stop_ids) or [self.model.config.vocab_size],
@@ -184,7 +197,7 @@ class EmbeddedEngine:
         for ids, lps in zip(new_tokens.cpu().tolist(), logprobs.tolist()):
             stop_at = next((i for i, t in enumerate(ids) if t in sampling.stop_ids), None)
             count = sampling.max_new_tokens if stop_at is None else stop_at + 1
-            finished.append(Finished(ids[:count], lps[:count], stop_at is not None))
+            finished.append(Finished(ids[:count], lps[:count], count < sampling.max_new_tokens))
         return finished
 
     def _expert_gates(self) -> list[torch.nn.Module]:
@@ -256,6 +269,16 @@ class EmbeddedEngine:
             meta["output_token_logprobs"] = [[float(lp), t, None] for lp, t in zip(done.logprobs, ids)]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a sequence, as SGLang collects them: the tokenizer's EOS and the
+    model config's and generation config's eos_token_id (an id or a list)."""
+    ids = [tokenizer.eos_token_id]
+    for config in (model.config, getattr(model, "generation_config", None)):
+        value = getattr(config, "eos_token_id", None)
+        ids += value if isinstance(value, list) else [value]
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 class Interrupt(StoppingCriteria):

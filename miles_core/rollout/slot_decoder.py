@@ -119,7 +119,8 @@ class Sampling:
 
 @dataclass
 class Finished:
-    """One request's generated tokens, their log-probs, and whether a stop token ended it."""
+    """One request's generated tokens, their log-probs, and whether a stop id ended it before
+    the budget did."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -280,7 +281,9 @@ class _Run:
         stop_ids = set(self.sampling.stop_ids)
         for slot, count, ids, lps in zip(held, counts, tokens, logprobs):
             ids = ids[:count]
-            self.results[self.slot_request[slot]] = Finished(ids, lps[:count], bool(ids) and ids[-1] in stop_ids)
+            # SGLang checks the budget before stop ids: a stop id as the last allowed token is "length"
+            stopped = count < self.sampling.max_new_tokens and bool(ids) and ids[-1] in stop_ids
+            self.results[self.slot_request[slot]] = Finished(ids, lps[:count], stopped)
 
     @torch.no_grad()
     def _prefill(self, taken: list[tuple[int, int]]) -> None:

@@ -49,23 +49,38 @@ def test_refilled_slots_give_what_generate_gives(engines, params, seed, monkeypa
     assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in got) or seed is None
 
 
-def test_stop_tokens_end_a_sequence_and_ignore_eos_runs_to_the_budget(engines, monkeypatch):
-    reference, slots = engines
+def test_stop_ids_end_sequences_as_sglang_ends_them(engines, monkeypatch):
+    """SGLang's Req.check_finished: the budget first (a stop id as the last allowed token is
+    "length"), then stop_token_ids and every EOS id; ignore_eos turns all stop ids off."""
     work = prompts(3)
-    free = reference.generate(work, {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True})
-    stop = free[0]["output_ids"][4]
-    cut = free[0]["output_ids"].index(stop) + 1
+    free = engines[0].generate(work, {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True})
+    first = free[0]["output_ids"]
+    stop = first[4]
     for engine in engines:
-        out = engine.generate(work, {"temperature": 0.0, "max_new_tokens": 10, "stop_token_ids": [stop],
-                                     "ignore_eos": True})
-        assert out[0]["output_ids"] == free[0]["output_ids"][:cut]
-        assert out[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-        monkeypatch.setattr(engine, "eos_id", stop)
-        ended = engine.generate(work, {"temperature": 0.0, "max_new_tokens": 10})
-        assert ended[0]["output_ids"] == free[0]["output_ids"][:cut]
-        ignored = engine.generate(work, {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True})
+        ends = {stop, *engine.eos_ids}
+        cut = next(i for i, t in enumerate(first) if t in ends) + 1
+        out = engine.generate(work, {"temperature": 0.0, "max_new_tokens": 10, "stop_token_ids": [stop]})
+        assert out[0]["output_ids"] == first[:cut]
+        assert out[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": first[cut - 1]}
+        at_budget = engine.generate(work, {"temperature": 0.0, "max_new_tokens": cut, "stop_token_ids": [stop]})
+        assert at_budget[0]["output_ids"] == first[:cut]
+        assert at_budget[0]["meta_info"]["finish_reason"] == {"type": "length", "length": cut}
+        ignored = engine.generate(work, {"temperature": 0.0, "max_new_tokens": 10, "stop_token_ids": [stop],
+                                         "ignore_eos": True})
         assert [o["output_ids"] for o in ignored] == [o["output_ids"] for o in free]
         assert {o["meta_info"]["finish_reason"]["type"] for o in ignored} == {"length"}
+        monkeypatch.setattr(engine, "eos_ids", [stop])
+        ended = engine.generate(work, {"temperature": 0.0, "max_new_tokens": 10})
+        assert ended[0]["output_ids"] == first[: first.index(stop) + 1]
+
+
+def test_sampling_params_sglang_refuses_are_refused(engines):
+    for engine in engines:
+        for params, message in [({"top_k": 0}, "top_k must be -1"), ({"top_p": 0.0}, "top_p must be in"),
+                                ({"temperature": -0.5}, "temperature must be non-negative")]:
+            with pytest.raises(ValueError, match=message):
+                engine.generate([[5, 6]], {"max_new_tokens": 2, **params})
+        assert len(engine.generate([[5, 6]], {"max_new_tokens": 2, "top_k": -1}, seed=0)[0]["output_ids"]) >= 1
 
 
 def test_the_kv_cache_holds_only_the_slots_its_budget_allows(tiny_model_dir, engines, monkeypatch):
