@@ -24,7 +24,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from miles_core.rollout.slot_decoder import Finished, Sampling, SlotDecoder
+from miles_core.rollout.slot_decoder import Finished, Sampling, SlotDecoder, supports
 from miles_core.weight_layout import fused_layout, weights_sha256
 
 # A seedless request in a seeded batch gets SGLang's deterministic-sampling default.
@@ -69,7 +69,7 @@ class EmbeddedEngine:
         # Checked between decode steps: True ends the running call with what each sequence has
         # (prompts not started come back empty); how the HTTP service's /abort_request gets in.
         self.interrupted: Callable[[], bool] | None = None
-        use_slots = self.device.type == "cuda" if slot_decoding is None else slot_decoding
+        use_slots = self.device.type == "cuda" and supports(self.model.config) if slot_decoding is None else slot_decoding
         # transformers marks the models whose forward compiles as one graph (CUDA graphs need it)
         compile_steps = self.device.type == "cuda" and getattr(self.model, "_can_compile_fullgraph", False)
         self.slots = (SlotDecoder(self.model, self.pad_id, counter_uniform, max_batch_size, compile_steps)

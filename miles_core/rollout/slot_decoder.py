@@ -11,13 +11,17 @@ over the static cache addresses) and the sampler through torch.compile.
 
 The cache only grows. A call decodes the first `slots` rows of it (its prompt count, rounded)
 and attends only the first `columns` columns (a power of two past the longest sequence so
-far), so short calls and early steps do not pay for the cache's full size; each (slots,
-columns) pair is one compiled variant, built on first use and kept.
+far), so short calls and early steps do not pay for the cache's full size; a new (slots,
+columns) pair compiles, or re-records its CUDA graph, on first use.
+
+Models whose attention is not one full causal span over keys and values of one head size
+(sliding windows, multi-head latent attention) are not supported: `supports()` says which.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -150,6 +154,15 @@ def sample_next(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, 
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def supports(config) -> bool:
+    """Whether slot decoding computes what the model's own attention does: full causal
+    attention in every layer, keys and values of one head size."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    sliding = bool(getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
+    split_heads = getattr(config, "v_head_dim", None) not in (None, getattr(config, "head_dim", None))
+    return set(layer_types) == {"full_attention"} and not sliding and not split_heads
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -158,7 +171,11 @@ class SlotDecoder:
     """Generates for any number of prompts through a bounded set of slots (see module doc)."""
 
     def __init__(self, model, pad_id: int, uniform, max_slots: int, compile_steps: bool):
+        if not supports(model.config):
+            raise ValueError(f"slot decoding needs full causal attention with one key/value head size; "
+                             f"{type(model).__name__} has sliding-window or split-head layers: use slot_decoding=False")
         self.model, self.pad_id, self.uniform, self.max_slots = model, pad_id, uniform, max_slots
+        self.lock = threading.Lock()  # one call at a time owns the slots and the cache
         model.set_attn_implementation(SLOT_ATTENTION)
         self.compiled = compile_steps
         if compile_steps:
@@ -174,14 +191,15 @@ class SlotDecoder:
         """interrupted: checked between decode steps (every CHECK_EVERY_STEPS); True ends the call
         with what each sequence has, and prompts not started come back empty."""
         columns = round_up(max(len(p) for p in prompts) + sampling.max_new_tokens, COLUMN_MULTIPLE)
-        slots = self._fit(len(prompts), columns)
-        run = _Run(self, prompts, seeds, sampling, slots)
-        return run.finish(interrupted or (lambda: False))
+        with self.lock:
+            num_slots = self._ensure_cache(len(prompts), columns)
+            return _Run(self, prompts, seeds, sampling, num_slots).run_to_completion(interrupted or (lambda: False))
 
-    def _fit(self, num_prompts: int, columns: int) -> int:
-        """Slots for a call of `num_prompts` prompts needing `columns` columns. The cache grows
-        where it is short, within the KV budget, and never shrinks, so compiled variants and
-        their graphs stay valid across calls."""
+    def _ensure_cache(self, num_prompts: int, columns: int) -> int:
+        """Slots for a call of `num_prompts` prompts needing `columns` columns. A cache that fits
+        is kept, so compiled variants and their graphs stay valid across calls; one that does
+        not grows to hold both, within the KV budget. Where the budget cannot, the cache is
+        rebuilt for this call alone: one long call must not leave every later call few slots."""
         config = self.model.config
         kv_heads = config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -189,14 +207,21 @@ class SlotDecoder:
         held = (0, 0, 0) if self.cache is None else self.cache.layers[0].keys.shape
         held_slots, held_columns = held[0], held[2]
         wanted = min(round_up(num_prompts, SLOT_MULTIPLE), self.max_slots)
-        columns = max(columns, held_columns)
-        slot_bytes = 2 * config.num_hidden_layers * kv_heads * columns * head_dim * dtype.itemsize
-        slots = min(max(wanted, held_slots), max(1, self._kv_budget_bytes() // slot_bytes))
-        if columns == held_columns and slots <= held_slots:
-            return min(wanted, held_slots)
+        if held_slots >= wanted and held_columns >= columns:
+            return wanted
+        budget = self._kv_budget_bytes()
+
+        def capacity(width: int) -> int:
+            return max(1, budget // (2 * config.num_hidden_layers * kv_heads * width * head_dim * dtype.itemsize))
+
+        slots, width = max(wanted, held_slots), max(columns, held_columns)
+        if slots > capacity(width):
+            slots, width = min(wanted, capacity(columns)), columns
+            if held_slots >= slots and held_columns >= columns:
+                return min(wanted, held_slots)
         self.cache = None
         positions = torch.zeros(slots, dtype=torch.long, device=device)
-        shape = (slots, kv_heads, columns, head_dim)
+        shape = (slots, kv_heads, width, head_dim)
         layers = [SlotLayer(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                             positions) for _ in range(config.num_hidden_layers)]
         self.cache = Cache(layers=layers)
@@ -237,17 +262,22 @@ class _Run:
         self.waiting = deque(range(len(prompts)))
         self.results: list[Finished | None] = [None] * len(prompts)
 
-    def finish(self, interrupted: Callable[[], bool]) -> list[Finished]:
+    def run_to_completion(self, interrupted: Callable[[], bool]) -> list[Finished]:
+        """Decodes until every prompt has finished: CHECK_EVERY_STEPS steps at a time, refilling
+        the slots that finished in between (and not stepping while none runs)."""
         self._refill(list(range(len(self.slot_request))))
         while any(r >= 0 for r in self.slot_request):
+            done = self.done.tolist()
+            finished = [s for s, r in enumerate(self.slot_request) if r >= 0 and done[s]]
+            if finished:
+                self._refill(finished)
+                continue
             self._fit_window()
             for _ in range(CHECK_EVERY_STEPS):
                 self._step()
             if interrupted():
                 self._collect(list(range(len(self.slot_request))))
                 return [r if r is not None else Finished([], [], False) for r in self.results]
-            done = self.done.tolist()
-            self._refill([s for s, r in enumerate(self.slot_request) if r >= 0 and done[s]])
         return self.results
 
     def _fit_window(self) -> None:

@@ -99,6 +99,11 @@ def test_the_kv_cache_holds_only_the_slots_its_budget_allows(tiny_model_dir, eng
     got = engine.generate(work, longer, seed=4)
     assert engine.slots.cache.layers[0].keys.shape[:3] == (1, config.num_key_value_heads, 2 * columns)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference.generate(work, longer, seed=4)]
+    # A call that wants more slots than the wide cache holds gets a cache of its own width:
+    # the same bytes hold 3 slots of 128 columns.
+    got = engine.generate(work, params, seed=5)
+    assert engine.slots.cache.layers[0].keys.shape[:3] == (3, config.num_key_value_heads, columns)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference.generate(work, params, seed=5)]
 
 
 def test_long_sequences_widen_the_attended_window_and_a_short_call_reuses_the_cache(engines):
@@ -129,3 +134,25 @@ def test_an_interrupt_ends_the_running_slots_and_leaves_the_waiting_prompts_empt
     steps = slot_decoder.CHECK_EVERY_STEPS + 1  # the prefill's token, then one check's steps
     assert [len(o["output_ids"]) for o in got] == [steps] * 4 + [0] * 6
     assert all(o["output_ids"] == w["output_ids"][: len(o["output_ids"])] for o, w in zip(got, whole))
+
+
+def test_a_call_whose_prompts_all_finish_at_prefill_takes_no_decode_step(engines, monkeypatch):
+    _, slots = engines
+    steps = []
+    step = slot_decoder._Run._step
+    monkeypatch.setattr(slot_decoder._Run, "_step", lambda run: steps.append(1) or step(run))
+    out = slots.generate(prompts(6), {"temperature": 1.0, "max_new_tokens": 1}, seed=2)
+    assert [len(o["output_ids"]) for o in out] == [1] * 6 and steps == []
+
+
+def test_models_with_other_attention_are_not_slot_decoded(tiny_model_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    assert slot_decoder.supports(config)
+    config.layer_types = ["sliding_attention", *config.layer_types[1:]]
+    assert not slot_decoder.supports(config)
+    engine = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=False)
+    engine.model.config.layer_types = config.layer_types
+    with pytest.raises(ValueError, match="sliding-window"):
+        slot_decoder.SlotDecoder(engine.model, engine.pad_id, None, 4, compile_steps=False)
