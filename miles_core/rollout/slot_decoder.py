@@ -131,8 +131,12 @@ class Finished:
     stopped: bool
 
 
+Uniform = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""(seeds, steps, vocab size) -> uniforms [rows, vocab]: the engine's counter_uniform."""
+
+
 def sample_next(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, sampling: Sampling,
-                uniform) -> tuple[torch.Tensor, torch.Tensor]:
+                uniform: Uniform) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token of every row and its log-prob under the temperature-scaled distribution
     (before top-k/top-p, as SGLang reports it). Seeded rows draw Gumbel noise from `uniform`
     (seed, the row's own decode step, token id), so a row's sample does not depend on its
@@ -170,7 +174,7 @@ def round_up(value: int, multiple: int) -> int:
 class SlotDecoder:
     """Generates for any number of prompts through a bounded set of slots (see module doc)."""
 
-    def __init__(self, model, pad_id: int, uniform, max_slots: int, compile_steps: bool):
+    def __init__(self, model, pad_id: int, uniform: Uniform, max_slots: int, compile_steps: bool):
         if not supports(model.config):
             raise ValueError(f"slot decoding needs full causal attention with one key/value head size; "
                              f"{type(model).__name__} has sliding-window or split-head layers: use slot_decoding=False")
