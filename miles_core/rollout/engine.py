@@ -20,11 +20,16 @@ from transformers import (
     LogitsProcessorList,
     StoppingCriteria,
     StoppingCriteriaList,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
-from miles_core.rollout.slot_decoder import Finished, Sampling, SlotDecoder, supports
+from miles_core.rollout.slot_decoder import (
+    Finished,
+    Sampling,
+    SlotDecoder,
+    gumbel_scores,
+    supports,
+    warped_scores,
+)
 from miles_core.weight_layout import fused_layout, weights_sha256
 
 # A seedless request in a seeded batch gets SGLang's deterministic-sampling default.
@@ -72,7 +77,7 @@ class EmbeddedEngine:
         use_slots = self.device.type == "cuda" and supports(self.model.config) if slot_decoding is None else slot_decoding
         # transformers marks the models whose forward compiles as one graph (CUDA graphs need it)
         compile_steps = self.device.type == "cuda" and getattr(self.model, "_can_compile_fullgraph", False)
-        self.slots = (SlotDecoder(self.model, self.pad_id, counter_uniform, max_batch_size, compile_steps)
+        self.slots = (SlotDecoder(self.model, self.pad_id, max_batch_size, compile_steps)
                       if use_slots else None)
 
     def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:
@@ -298,33 +303,10 @@ class SeededSampling(LogitsProcessor):
     row's distribution, and a row's draws do not depend on the rest of the batch."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float = 1.0, top_k: int | None = None):
-        self.seeds, self.temperature, self.step = seeds, temperature, 0
-        self.warpers = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+        self.seeds, self.temperature, self.top_p, self.top_k, self.step = seeds, temperature, top_p, top_k, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.float() / self.temperature
-        for warper in self.warpers:
-            scores = warper(input_ids, scores)
         seeds = torch.tensor(self.seeds, dtype=torch.int64, device=scores.device)
-        uniform = counter_uniform(seeds, self.step, scores.shape[-1])
+        scores = gumbel_scores(warped_scores(scores, self.temperature, self.top_k, self.top_p), seeds, self.step)
         self.step += 1
-        return scores - torch.log(-torch.log(uniform))
-
-
-_MIX = (-4658895280553007687, -7723592293110705685, -7046029254386353131)  # splitmix64's odd constants
-_LOW_BITS = [(1 << (64 - shift)) - 1 for shift in (30, 27, 31)]
-
-
-def counter_uniform(seeds: torch.Tensor, step: int | torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniforms in (0, 1) of shape [len(seeds), vocab_size], a pure function of (seed, step,
-    column): splitmix64's finaliser over a counter, on any device, one pass for the batch.
-    step: the decode step of every row, or of each row. int64 products wrap; right shifts are
-    masked to make them logical."""
-    column = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    steps = torch.as_tensor(step, dtype=torch.int64, device=seeds.device).reshape(-1, 1)
-    x = seeds[:, None] * _MIX[0] + (steps * vocab_size + column[None, :])
-    for shift, mult, low in zip((30, 27, 31), (_MIX[1], _MIX[2], 1), _LOW_BITS):
-        x = x ^ ((x >> shift) & low)
-        if mult != 1:
-            x = x * mult
-    return (((x >> 40) & 0xFFFFFF).float() + 0.5) / float(1 << 24)
+        return scores

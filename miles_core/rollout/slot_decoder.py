@@ -131,28 +131,36 @@ class Finished:
     stopped: bool
 
 
-Uniform = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-"""(seeds, steps, vocab size) -> uniforms [rows, vocab]: the engine's counter_uniform."""
+def warped_scores(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float) -> torch.Tensor:
+    """Scores to sample from: fp32 logits at the temperature, then top-k and top-p (-inf outside)."""
+    scores = logits.float() / temperature
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores
 
 
-def sample_next(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, sampling: Sampling,
-                uniform: Uniform) -> tuple[torch.Tensor, torch.Tensor]:
+def gumbel_scores(scores: torch.Tensor, seeds: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """Scores plus Gumbel noise from counter_uniform(seed, step, token id): their argmax samples
+    softmax(scores), and a row's draw depends on nothing but its seed and step."""
+    return scores - torch.log(-torch.log(counter_uniform(seeds, step, scores.shape[-1])))
+
+
+def sample_next(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token of every row and its log-prob under the temperature-scaled distribution
-    (before top-k/top-p, as SGLang reports it). Seeded rows draw Gumbel noise from `uniform`
-    (seed, the row's own decode step, token id), so a row's sample does not depend on its
-    batch or slot; unseeded rows sample with torch's generator."""
+    (before top-k/top-p, as SGLang reports it). Seeded rows draw Gumbel noise from (seed, the
+    row's own decode step, token id), so a row's sample does not depend on its batch or slot;
+    unseeded rows sample with torch's generator."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits / (1.0 if sampling.greedy else sampling.temperature), dim=-1)
     if sampling.greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        scores = logits / sampling.temperature
-        if sampling.top_k:
-            scores = TopKLogitsWarper(sampling.top_k)(None, scores)
-        if sampling.top_p < 1:
-            scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+        scores = warped_scores(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         if sampling.seeded:
-            tokens = (scores - torch.log(-torch.log(uniform(seeds, steps, scores.shape[-1])))).argmax(dim=-1)
+            tokens = gumbel_scores(scores, seeds, steps).argmax(dim=-1)
         else:
             tokens = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
@@ -174,11 +182,11 @@ def round_up(value: int, multiple: int) -> int:
 class SlotDecoder:
     """Generates for any number of prompts through a bounded set of slots (see module doc)."""
 
-    def __init__(self, model, pad_id: int, uniform: Uniform, max_slots: int, compile_steps: bool):
+    def __init__(self, model, pad_id: int, max_slots: int, compile_steps: bool):
         if not supports(model.config):
             raise ValueError(f"slot decoding needs full causal attention with one key/value head size; "
                              f"{type(model).__name__} has sliding-window or split-head layers: use slot_decoding=False")
-        self.model, self.pad_id, self.uniform, self.max_slots = model, pad_id, uniform, max_slots
+        self.model, self.pad_id, self.max_slots = model, pad_id, max_slots
         self.lock = threading.Lock()  # one call at a time owns the slots and the cache
         model.set_attn_implementation(SLOT_ATTENTION)
         self.compiled = compile_steps
@@ -363,7 +371,7 @@ class _Run:
     def _advance(self, logits: torch.Tensor, slots: torch.Tensor, sample) -> None:
         """Samples the next token of `slots`, records it for the slots still running, and marks
         the ones that hit a stop token or their budget."""
-        tokens, logprobs = sample(logits, self.seeds[slots], self.generated[slots], self.sampling, self.decoder.uniform)
+        tokens, logprobs = sample(logits, self.seeds[slots], self.generated[slots], self.sampling)
         running, count = ~self.done[slots], self.generated[slots]
         index = count.clamp(max=self.sampling.max_new_tokens - 1)
         self.out_tokens[slots, index] = torch.where(running, tokens, self.out_tokens[slots, index])
@@ -372,3 +380,22 @@ class _Run:
         finished = torch.isin(tokens, self.stop_ids) | (count + 1 >= self.sampling.max_new_tokens)
         self.done[slots] = self.done[slots] | (running & finished)
         self.tokens[slots] = torch.where(running, tokens, self.decoder.pad_id)
+
+
+_MIX = (-4658895280553007687, -7723592293110705685, -7046029254386353131)  # splitmix64's odd constants
+_LOW_BITS = [(1 << (64 - shift)) - 1 for shift in (30, 27, 31)]
+
+
+def counter_uniform(seeds: torch.Tensor, step: int | torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniforms in (0, 1) of shape [len(seeds), vocab_size], a pure function of (seed, step,
+    column): splitmix64's finaliser over a counter, on any device, one pass for the batch.
+    step: the decode step of every row, or of each row. int64 products wrap; right shifts are
+    masked to make them logical."""
+    column = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    steps = torch.as_tensor(step, dtype=torch.int64, device=seeds.device).reshape(-1, 1)
+    x = seeds[:, None] * _MIX[0] + (steps * vocab_size + column[None, :])
+    for shift, mult, low in zip((30, 27, 31), (_MIX[1], _MIX[2], 1), _LOW_BITS):
+        x = x ^ ((x >> shift) & low)
+        if mult != 1:
+            x = x * mult
+    return (((x >> 40) & 0xFFFFFF).float() + 0.5) / float(1 << 24)

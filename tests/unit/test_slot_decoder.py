@@ -155,17 +155,15 @@ def test_models_with_other_attention_are_not_slot_decoded(tiny_model_dir):
     engine = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=False)
     engine.model.config.layer_types = config.layer_types
     with pytest.raises(ValueError, match="sliding-window"):
-        slot_decoder.SlotDecoder(engine.model, engine.pad_id, None, 4, compile_steps=False)
+        slot_decoder.SlotDecoder(engine.model, engine.pad_id, 4, compile_steps=False)
 
 
 def test_compiled_steps_give_what_eager_steps_give(tiny_model_dir, engines):
     """The compiled forward and sampler (on CPU here, without CUDA graphs) across two attended
     windows, then a greedy call on the same compiled steps: what CUDA runs, minus the graphs."""
-    from miles_core.rollout.engine import counter_uniform
-
     reference, _ = engines
     engine = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=True, max_batch_size=4)
-    engine.slots = slot_decoder.SlotDecoder(engine.model, engine.pad_id, counter_uniform, 4, compile_steps=True)
+    engine.slots = slot_decoder.SlotDecoder(engine.model, engine.pad_id, 4, compile_steps=True)
     work = prompts(6)
     for params, seed, rows in [({"temperature": 1.0, "max_new_tokens": 150, "ignore_eos": True}, 3, 6),
                                ({"temperature": 0.0, "max_new_tokens": 8}, None, 2)]:
