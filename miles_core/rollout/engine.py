@@ -27,6 +27,7 @@ from miles_core.rollout.slot_decoder import (
     Sampling,
     SlotDecoder,
     gumbel_scores,
+    pad_rows,
     supports,
     warped_scores,
 )
@@ -69,7 +70,6 @@ class EmbeddedEngine:
         self.model.to(self.device).eval()
         self.weight_version = "default"  # SGLang's before any update
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         # Checked between decode steps: True ends the running call with what each sequence has
         # (prompts not started come back empty); how the HTTP service's /abort_request gets in.
@@ -250,15 +250,8 @@ class EmbeddedEngine:
         return self._pad(input_ids, left=False)
 
     def _pad(self, input_ids: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token batch and attention mask; generation pads left, teacher-forced passes right."""
-        width = max(len(ids) for ids in input_ids)
-        batch = torch.full((len(input_ids), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros_like(batch)
-        for row, ids in enumerate(input_ids):
-            cols = slice(width - len(ids), width) if left else slice(0, len(ids))
-            batch[row, cols] = torch.tensor(ids)
-            attention[row, cols] = 1
-        return batch.to(self.device), attention.to(self.device)
+        """Generation pads left, teacher-forced passes right (see slot_decoder.pad_rows)."""
+        return pad_rows(input_ids, self.pad_id, self.device, left)
 
     def _response(self, done: Finished, prompt_len: int, sampling: Sampling, return_logprob: bool) -> dict:
         ids = done.token_ids

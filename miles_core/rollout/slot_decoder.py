@@ -175,6 +175,19 @@ def supports(config) -> bool:
     return set(layer_types) == {"full_attention"} and not sliding and not split_heads
 
 
+def pad_rows(rows: list[list[int]], pad_id: int, device: torch.device,
+             left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token batch and attention mask of `rows`, padded on the left or the right."""
+    width = max(len(ids) for ids in rows)
+    batch = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(batch)
+    for row, ids in enumerate(rows):
+        cols = slice(width - len(ids), width) if left else slice(0, len(ids))
+        batch[row, cols] = torch.tensor(ids)
+        attention[row, cols] = 1
+    return batch.to(device), attention.to(device)
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -331,13 +344,9 @@ class _Run:
     def _prefill(self, taken: list[tuple[int, int]]) -> None:
         """Runs the prompts left-padded through the model, moves each one's keys and values to
         columns 0..len-1 of its slot, and samples its first token from the last position."""
-        prompts = [self.prompts[r] for _, r in taken]
-        width, device = max(len(p) for p in prompts), self.positions.device
-        batch = torch.full((len(prompts), width), self.decoder.pad_id, dtype=torch.long)
-        attention = torch.zeros_like(batch)
-        for row, ids in enumerate(prompts):
-            batch[row, width - len(ids):], attention[row, width - len(ids):] = torch.tensor(ids), 1
-        batch, attention = batch.to(device), attention.to(device)
+        device = self.positions.device
+        batch, attention = pad_rows([self.prompts[r] for _, r in taken], self.decoder.pad_id, device, left=True)
+        width = batch.shape[1]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         prompt_cache = DynamicCache()
         out = self.decoder.model(input_ids=batch, attention_mask=attention, position_ids=positions, use_cache=True,
