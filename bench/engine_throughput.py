@@ -6,7 +6,7 @@ Baseline: transformers `generate` with its default dynamic cache in batches of -
 trainer-side rollout does). Ours: EmbeddedEngine with --batch slots (on GPU: continuous
 batching over a preallocated KV cache, compiled decode, log-probs from the decode step). Both
 sample at temperature 1 and stop at the same stop tokens: --mean-length sets how many ids of the
-vocabulary stop a sequence, so lengths vary as they do with EOS on (0: none stop, every sequence
+vocabulary stop a sequence, with EOS on, so lengths vary (0: EOS off and none stop, every sequence
 runs to --new-tokens). Tokens per second count generated tokens up to and including the stop.
 Prints one JSON line.
 """
@@ -126,7 +126,12 @@ def main() -> None:
         model_dir = build_model(args.model, Path(tmp) / "model", dtype)
         engine = EmbeddedEngine(str(model_dir), dtype=str(dtype).removeprefix("torch."), max_batch_size=args.batch)
         work = prompts(args.num_seqs, args.prompt_len, vocab)
-        params = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True, "stop_token_ids": stop_ids}
+        # EOS stays on with stop ids (SGLang's ignore_eos would turn stop_token_ids off too); the
+        # baseline then stops at the same set: the stop ids and every EOS id of the model.
+        params = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": not stop_ids,
+                  "stop_token_ids": stop_ids}
+        if stop_ids:
+            stop_ids = [*stop_ids, *engine.eos_ids]
         print("warm-up (compilation)...", file=sys.stderr)
         engine.generate(work[: args.batch], params, return_logprob=True, seed=0)
         sync()
