@@ -14,6 +14,14 @@ TRL: GRPOTrainer(use_vllm=False) with one generation of P*G completions per opti
 (generation_batch_size = P*G, per_device_train_batch_size = --micro-batch, accumulated); each optimizer
 step is timed from on_step_begin to on_step_end. The first --skip steps of each are dropped.
 Progress goes to stderr; the last stdout line is the JSON result.
+
+One side per process (--side ours | trl): each side alone on the machine, for runs where both
+do not fit one process's memory or one command's time (1024 tokens on one GPU). The first run
+saves its side's result (--save FILE); the second, on the same machine with the same settings,
+reads it (--compare FILE) and prints the JSON with the ratio:
+
+    python bench/grpo_vs_trl.py --side trl --save /tmp/trl.json ...
+    python bench/grpo_vs_trl.py --side ours --compare /tmp/trl.json ...
 """
 
 from __future__ import annotations
@@ -53,7 +61,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="keep TRL's default gradient checkpointing (off by default: ours does not use it)")
     p.add_argument("--work-dir", default="/tmp/miles-bench")
-    return p.parse_args(argv)
+    p.add_argument("--side", choices=["both", "ours", "trl"], default="both",
+                   help="inprocess mode: run one side only (see above)")
+    p.add_argument("--save", type=Path, default=None, help="with --side: write this side's result here")
+    p.add_argument("--compare", type=Path, default=None,
+                   help="with --side: the other side's --save file, from a run with the same settings")
+    args = p.parse_args(argv)
+    if args.side == "both" and (args.save or args.compare):
+        p.error("--save and --compare need --side ours or --side trl")
+    if args.side != "both" and args.mode != "inprocess":
+        p.error("--side needs --mode inprocess")
+    return args
 
 
 OURS_MODES = {"inprocess": "FSDPTrainer.train_step + EmbeddedEngine.generate (RolloutManager, rewards) + weight copy, "
@@ -262,6 +280,39 @@ def run_inprocess(args, cfg, start_dir: Path, train_path: Path, work: Path) -> t
     return ours.times[args.skip:], trl[args.skip:]
 
 
+def run_one_side(args, cfg, start_dir: Path, train_path: Path, work: Path) -> tuple[list, list]:
+    if args.side == "trl":
+        return [], run_trl(args, cfg, start_dir, train_path, work / "trl-out")[args.skip:]
+    ours = OursInProcess(cfg, start_dir, train_path, args.device)
+    for _ in range(args.skip + args.steps):
+        ours.run_step()
+    ours.trainer.close()
+    return ours.times[args.skip:], []
+
+
+# What two one-side runs must share for their ratio to mean anything.
+COMPARED_SETTINGS = ("device", "model", "max_new_tokens", "prompts", "samples", "micro_batch", "dtype", "lr",
+                     "skip", "steps", "threads", "sft_steps", "trl_gradient_checkpointing")
+
+
+def side_settings(args) -> dict:
+    return {**{key: getattr(args, key) for key in COMPARED_SETTINGS}, "micro_batch": micro_batch(args)}
+
+
+def saved_side(args) -> tuple[str, list]:
+    """The other side's steps from its --save file, refused unless its settings are these."""
+    saved = json.loads(args.compare.read_text())
+    other = "trl" if args.side == "ours" else "ours"
+    if saved.get("side") != other:
+        raise SystemExit(f"--compare {args.compare} holds side {saved.get('side')!r}; this run is --side "
+                         f"{args.side}, so it needs a --save file of --side {other}")
+    differing = {k: (v, saved["settings"].get(k)) for k, v in side_settings(args).items() if saved["settings"].get(k) != v}
+    if differing:
+        raise SystemExit(f"--compare {args.compare} was run with other settings (this run, saved): {differing}; "
+                         f"rerun one side with the other's settings")
+    return other, saved["steps"]
+
+
 def run_ray(args, cfg, start_dir: Path, train_path: Path, work: Path) -> tuple[list, list]:
     ours, trl = [], []
     for repeat in range(args.repeats):
@@ -288,16 +339,26 @@ def main(argv=None) -> dict:
     start_dir = c.sft_warmup(model_dir, train_path, args.sft_steps, work, args.device)
     cfg = ours_config(args, args.skip + args.steps)
     load_before, started = c.load_average(), time.perf_counter()
-    runner = run_inprocess if args.mode == "inprocess" else run_ray
+    other_side = saved_side(args) if args.compare else None  # refused before the run, not after
+    runner = run_ray if args.mode == "ray" else run_inprocess if args.side == "both" else run_one_side
     with contextlib.redirect_stdout(sys.stderr):  # Trainer prints its logs; stdout is for the JSON
         ours, trl = runner(args, cfg, start_dir, train_path, work)
+    if args.save:
+        args.save.write_text(json.dumps({"side": args.side, "settings": side_settings(args),
+                                         "steps": ours or trl, "summary": summarize(ours or trl)}))
+    if args.side != "both" and not args.compare:
+        print(json.dumps(c.rounded({"side": args.side, **side_settings(args), **summarize(ours or trl)})), flush=True)
+        return {}
+    if other_side:
+        other, steps = other_side
+        ours, trl = (steps, trl) if other == "ours" else (ours, steps)
     o, t = summarize(ours), summarize(trl)
     result = {
         "ours_step_seconds_median": o["step_seconds_median"], "trl_step_seconds_median": t["step_seconds_median"],
         "ratio_trl_over_ours": t["step_seconds_median"] / o["step_seconds_median"],
         # inprocess: step i of each ran back to back, so the ratio of each pair cancels slow load drifts
         "ratio_trl_over_ours_paired_median": c.median(t_["step"] / o_["step"] for o_, t_ in zip(ours, trl))
-        if args.mode == "inprocess" else None,
+        if args.mode == "inprocess" and args.side == "both" else None,
         "steps": len(ours), "steps_trl": len(trl), "skipped_warmup_steps": args.skip,
         "batch": {"prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
                   "completions_per_step": args.prompts * args.samples},
@@ -305,7 +366,9 @@ def main(argv=None) -> dict:
         "model": args.model, "device": args.device,
         "mode": args.mode, "start_model": "random" if args.sft_steps == 0 else f"sft_warmup_{args.sft_steps}_steps",
         "threads": args.threads, "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
-        "ours_measured": OURS_MODES[args.mode], "ours": o, "trl": t,
+        "ours_measured": OURS_MODES[args.mode] if args.side == "both" else
+        "FSDPTrainer.train_step + EmbeddedEngine.generate (RolloutManager, rewards) + weight copy, in one process "
+        "per side on the same machine (--side, --compare)", "ours": o, "trl": t,
         "load_average_before": load_before, "load_average_after": c.load_average(),
         "wall_seconds": time.perf_counter() - started,
     }
