@@ -6,6 +6,7 @@ and can verify the result by comparing a sha256 of the exact bytes on both sides
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -203,8 +204,9 @@ def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str],
                          dtype: torch.dtype | None = None) -> int:
     """Sender side (runs in the trainer): per bucket, ask every engine to receive the named
     tensors, then broadcast them in that order, cast to dtype (the engines' own: bf16 engines
-    receive half the bytes of fp32 master weights). Returns the bytes sent. MoE experts go in the
-    checkpoint layout: SGLang's loaders skip fused expert names without an error."""
+    receive half the bytes of fp32 master weights), all in one weight-update session per engine.
+    Returns the bytes sent. MoE experts go in the checkpoint layout: SGLang's loaders skip fused
+    expert names without an error."""
     state = checkpoint_layout(state)
     if dtype is not None:
         state = {name: tensor.to(dtype) for name, tensor in state.items()}
@@ -217,7 +219,9 @@ def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str],
             size = 0
         buckets[-1].append(name)
         size += nbytes
-    with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+    with ThreadPoolExecutor(max_workers=len(urls)) as pool, contextlib.ExitStack() as sessions:
+        for url in urls:
+            sessions.enter_context(SGLangClient(url, api_key=api_key).weight_update_session())
         for bucket in buckets:
             dtypes = [str(state[n].dtype).removeprefix("torch.") for n in bucket]
             shapes = [list(state[n].shape) for n in bucket]

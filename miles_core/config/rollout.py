@@ -29,6 +29,13 @@ class EmbeddedEngine(Section):
     """Transformers generation behind SGLang's HTTP API (runs anywhere; the CPU default)."""
 
     kind: Literal["embedded"] = "embedded"
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    """As SGLang's --mem-fraction-static, on a GPU: the KV cache may take what is free less
+    (1 - this) of the GPU's memory, which stays for others, such as a trainer on the same GPU
+    (placement.layout=colocated). Lower it when a colocated trainer runs out of memory. None: the
+    KV cache takes 40% of the memory free when it is allocated."""
+    max_running_requests: int | None = Field(None, ge=1)
+    """Sequences decoded at once, as SGLang's --max-running-requests. None: 1024."""
 
 
 class SGLangEngine(Section):

@@ -57,10 +57,16 @@ class EmbeddedEngine:
     """A transformers model that generates batches of token-id prompts."""
 
     def __init__(self, model_dir: str, dtype: str = "float32", num_threads: int | None = None,
-                 device: str | None = None, max_batch_size: int = 1024, slot_decoding: bool | None = None):
+                 device: str | None = None, max_batch_size: int = 1024, slot_decoding: bool | None = None,
+                 mem_fraction_static: float | None = None):
         """max_batch_size: sequences decoded at once. slot_decoding (default: on CUDA): continuous
         batching over a preallocated KV cache with compiled steps (see slot_decoder); off, each
-        chunk of max_batch_size prompts runs through transformers' generate."""
+        chunk of max_batch_size prompts runs through transformers' generate. mem_fraction_static:
+        SGLang's flag, bounding the slots' KV cache (slot_decoder.kv_budget_bytes)."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size (SGLang's --max-running-requests) must be at least 1, got {max_batch_size}")
+        if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -77,7 +83,7 @@ class EmbeddedEngine:
         use_slots = self.device.type == "cuda" and supports(self.model.config) if slot_decoding is None else slot_decoding
         # transformers marks the models whose forward compiles as one graph (CUDA graphs need it)
         compile_steps = self.device.type == "cuda" and getattr(self.model, "_can_compile_fullgraph", False)
-        self.slots = (SlotDecoder(self.model, self.pad_id, max_batch_size, compile_steps)
+        self.slots = (SlotDecoder(self.model, self.pad_id, max_batch_size, compile_steps, mem_fraction_static)
                       if use_slots else None)
 
     def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:

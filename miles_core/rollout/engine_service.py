@@ -72,13 +72,16 @@ class EngineService:
         """Set when weights changed with flush_cache=false: SGLang's radix cache would then serve
         KV computed with the old weights, so generation is refused until /flush_cache."""
         self.groups: dict[str, Any] = {}
+        self.weight_update_selector: str | None = None
+        """The open weight-update session's selector (SGLang 0.5.23: distributed updates load
+        only between /begin_weight_update and /end_weight_update)."""
         self.warned_params: set[str] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def load(self) -> None:
         try:
-            engine = EmbeddedEngine(self.model_path, dtype=self.dtype, num_threads=self.num_threads)
+            engine = EmbeddedEngine(self.model_path, dtype=self.dtype, num_threads=self.num_threads, **self._memory_args())
             if self.initial_version is not None:  # else SGLang's start, "default" (EmbeddedEngine's too)
                 engine.weight_version = str(self.initial_version)
             engine.interrupted = self._running_request_aborted
@@ -88,6 +91,16 @@ class EngineService:
             self.load_error = exc
         finally:
             self.loaded.set()
+
+    def _memory_args(self) -> dict:
+        """SGLang's flags that bound the engine's memory, as the embedded engine takes them:
+        --max-running-requests (sequences decoded at once) and --mem-fraction-static."""
+        args = {}
+        if self.server_args.get("max_running_requests") is not None:
+            args["max_batch_size"] = int(self.server_args["max_running_requests"])
+        if self.server_args.get("mem_fraction_static") is not None:
+            args["mem_fraction_static"] = float(self.server_args["mem_fraction_static"])
+        return args
 
     @property
     def ready(self) -> bool:
@@ -246,7 +259,25 @@ class EngineService:
             timeout=timedelta(seconds=self.group_timeout_seconds))
         return weight_result(True, f"joined group {name!r} as rank {body['rank_offset']}")
 
+    def begin_weight_update(self, body: dict) -> dict:
+        selector = body.get("selector", "all")
+        if selector not in WEIGHT_UPDATE_SELECTORS:
+            return weight_result(False, f"selector must be one of {', '.join(WEIGHT_UPDATE_SELECTORS)}, got {selector!r}")
+        if self.weight_update_selector is not None:
+            return weight_result(False, "a weight-update session is already open; call end_weight_update() first")
+        self.weight_update_selector = selector
+        return weight_result(True, "Success")
+
+    def end_weight_update(self, body: dict) -> dict:
+        if self.weight_update_selector is None:
+            return weight_result(False, "no weight-update session is open; call begin_weight_update() first")
+        self.weight_update_selector = None
+        return weight_result(True, "Success")
+
     def update_from_distributed(self, body: dict) -> dict:
+        if self.weight_update_selector is None:
+            return weight_result(False, "update_weights_from_distributed must run between begin_weight_update() "
+                                        "and end_weight_update()")
         group = self.groups.get(body.get("group_name"))
         if group is None:
             return weight_result(False, f"no weights update group {body.get('group_name')!r}; call init first")
@@ -268,6 +299,9 @@ class EngineService:
     def weights_sha256(self) -> str:
         with self.lock:
             return self.engine.weights_sha256()
+
+
+WEIGHT_UPDATE_SELECTORS = ("target", "draft", "all")  # SGLang's BeginWeightUpdateReqInput.selector
 
 
 def _flush(body: dict) -> bool:

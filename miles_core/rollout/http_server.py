@@ -176,7 +176,8 @@ def _add_generate_routes(app: FastAPI, service: EngineService) -> None:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        # No KV cache survives a transformers call; refuse only while a batch runs, like SGLang.
+        # No call reuses another's keys and values (each prefill overwrites its slots); refuse
+        # only while a batch runs, like SGLang.
         if service.current is not None:
             return Response("Cache not flushed: requests are running.\n", status_code=400)
         service.stale_cache_version = None
@@ -185,7 +186,8 @@ def _add_generate_routes(app: FastAPI, service: EngineService) -> None:
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def memory_occupation() -> dict:
-        return weight_result(True, "no-op on CPU")
+        # The engine keeps its weights and KV cache; --mem-fraction-static bounds what it holds.
+        return weight_result(True, "no-op: the embedded engine keeps its memory")
 
 
 def _weight_route(fn):
@@ -206,7 +208,9 @@ def _add_weight_routes(app: FastAPI, service: EngineService) -> None:
     for path, fn in {"/update_weights_from_disk": service.update_from_disk,
                      "/init_weights_update_group": service.init_group,
                      "/update_weights_from_distributed": service.update_from_distributed,
-                     "/destroy_weights_update_group": service.destroy_group}.items():
+                     "/destroy_weights_update_group": service.destroy_group,
+                     "/begin_weight_update": service.begin_weight_update,
+                     "/end_weight_update": service.end_weight_update}.items():
         app.add_api_route(path, _weight_route(fn), methods=["POST"])
 
     @app.post("/update_weight_version")

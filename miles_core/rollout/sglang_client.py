@@ -8,6 +8,7 @@ SGLang itself is never imported here: it pins a CUDA torch that CPU machines can
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +206,39 @@ class SGLangClient:
             payload["load_format"] = load_format
         return self._post_result("/update_weights_from_disk", payload, timeout=timeout_seconds)
 
+    @contextlib.contextmanager
+    def weight_update_session(self, selector: str = "all") -> Iterator[None]:
+        """SGLang 0.5.23 loads distributed and tensor weight updates only inside a session
+        (/begin_weight_update ... /end_weight_update) and refuses them outside one; older servers
+        have no such routes (404) and need none. A session left open by a sender that died
+        mid-update is closed and opened again."""
+        opened, message = self._begin_weight_update(selector)
+        if opened is False and "already open" in message:
+            logger.warning("%s: a weight-update session was left open; closing it first", self.base_url)
+            self._post_result("/end_weight_update", {})
+            opened, message = self._begin_weight_update(selector)
+        if opened is False:
+            raise EngineError(f"/begin_weight_update failed: {message}", self.base_url, 400)
+        try:
+            yield
+        except BaseException:
+            if opened:  # closed for the next attempt; the update's own error is the one raised
+                with contextlib.suppress(EngineError):
+                    self._post_result("/end_weight_update", {})
+            raise
+        if opened:
+            self._post_result("/end_weight_update", {})
+
+    def _begin_weight_update(self, selector: str) -> tuple[bool | None, str]:
+        """(True: opened, None: the server has no sessions (SGLang before 0.5.23), False:
+        refused; the server's message)."""
+        resp = self._call("POST", "/begin_weight_update", {"selector": selector}, idempotent=False,
+                          ok_statuses=(400, 404))
+        if resp.status_code == 404:
+            return None, ""
+        body = resp.json() if resp.content else {}
+        return resp.status_code < 400 and body.get("success") is not False, str(body.get("message", resp.text))
+
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str, backend: str = "nccl") -> dict:
         return self._post_result("/init_weights_update_group", {
@@ -214,7 +249,8 @@ class SGLangClient:
                                         group_name: str, weight_version: str | None = None,
                                         flush_cache: bool = True) -> dict:
         """Blocks until the server has received every tensor: call it from a thread while the
-        trainer broadcasts the same tensors, in the same order, from rank 0."""
+        trainer broadcasts the same tensors, in the same order, from rank 0. Inside a
+        `weight_update_session` (SGLang 0.5.23 refuses it outside one)."""
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                    **WEIGHT_UPDATE_DEFAULTS, "flush_cache": flush_cache}
         if weight_version is not None:

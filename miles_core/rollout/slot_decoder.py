@@ -34,7 +34,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 KV_CACHE_FRACTION = 0.4
-"""Share of the free accelerator memory the slots' KV cache may take when it is allocated."""
+"""Share of the free accelerator memory the slots' KV cache may take when it is allocated
+(without SGLang's --mem-fraction-static)."""
 PREFILL_TOKEN_BUDGET = 2**15
 """Prompt tokens one prefill pass may hold (bounds its activations, not its result)."""
 CHECK_EVERY_STEPS = 8
@@ -195,11 +196,13 @@ def round_up(value: int, multiple: int) -> int:
 class SlotDecoder:
     """Generates for any number of prompts through a bounded set of slots (see module doc)."""
 
-    def __init__(self, model, pad_id: int, max_slots: int, compile_steps: bool):
+    def __init__(self, model, pad_id: int, max_slots: int, compile_steps: bool,
+                 mem_fraction_static: float | None = None):
         if not supports(model.config):
             raise ValueError(f"slot decoding needs full causal attention with one key/value head size; "
                              f"{type(model).__name__} has sliding-window or split-head layers: use slot_decoding=False")
         self.model, self.pad_id, self.max_slots = model, pad_id, max_slots
+        self.mem_fraction_static = mem_fraction_static
         self.lock = threading.Lock()  # one call at a time owns the slots and the cache
         model.set_attn_implementation(SLOT_ATTENTION)
         self.compiled = compile_steps
@@ -257,7 +260,24 @@ class SlotDecoder:
         if device.type != "cuda":
             return 2**31
         held = 0 if self.cache is None else sum(2 * layer.keys.nbytes for layer in self.cache.layers)
-        return int(KV_CACHE_FRACTION * (torch.cuda.mem_get_info(device)[0] + held))
+        free, total = torch.cuda.mem_get_info(device)
+        return kv_budget_bytes(free + held, total, self.mem_fraction_static)
+
+
+def kv_budget_bytes(free_bytes: int, total_bytes: int, mem_fraction_static: float | None) -> int:
+    """Bytes the KV cache may take, given the accelerator's free memory (counting a cache already
+    held as free). With SGLang's --mem-fraction-static, SGLang's rule (ModelRunner's
+    profile_max_num_token): what is free less the (1 - fraction) of the total kept for others,
+    such as a colocated trainer; without it, KV_CACHE_FRACTION of what is free."""
+    if mem_fraction_static is None:
+        return int(KV_CACHE_FRACTION * free_bytes)
+    budget = int(free_bytes - total_bytes * (1 - mem_fraction_static))
+    if budget <= 0:
+        raise RuntimeError(f"Not enough memory for the KV cache: {free_bytes / 2**30:.1f} GiB free of "
+                           f"{total_bytes / 2**30:.1f} GiB, and --mem-fraction-static {mem_fraction_static} keeps "
+                           f"{(1 - mem_fraction_static) * total_bytes / 2**30:.1f} GiB for others. Please increase "
+                           f"--mem-fraction-static.")
+    return budget
 
 
 class _Run:

@@ -19,6 +19,8 @@ SNAPSHOT = json.loads((Path(__file__).parent / "sglang_contract.json").read_text
 VERSIONS = sorted(SNAPSHOT["versions"])
 # Routes of the embedded server that SGLang does not have, each for a reason.
 EMBEDDED_EXTRAS = {"/get_weights_checksum": "tests compare engine and trainer weights over HTTP"}
+# Routes of the newest version only: the stand-in is as strict as it, and the client probes for them.
+NEWEST_ONLY = {"/begin_weight_update", "/end_weight_update"}
 
 
 def test_the_versions_checked_are_the_snapshots():
@@ -37,21 +39,26 @@ def test_every_server_arg_is_an_exact_current_option(version):
         assert entry["flag"] == is_flag, (version, option)
 
 
-def _recorded_calls(monkeypatch) -> list[tuple[str, str, dict]]:
-    """Every (method, path, payload) the client sends, answered with a success."""
+def _recorded_calls(monkeypatch, version: str) -> list[tuple[str, str, dict]]:
+    """Every (method, path, payload) the client sends, answered with a success, or with 404 for
+    a route this SGLang version does not have (as its server answers)."""
     calls = []
+    routes = SNAPSHOT["versions"][version]["routes"]["routes"]
 
     class Answer:
-        status_code, content, url, text = 200, b"{}", "fake", "{}"
+        content, url, text = b"{}", "fake", "{}"
 
-        def __init__(self, body: dict):
-            self.body = body
+        def __init__(self, body: dict, status_code: int = 200):
+            self.body, self.status_code = body, status_code
 
         def json(self) -> dict:
             return self.body
 
-    def call(self, method, path, payload=None, **_):
+    def call(self, method, path, payload=None, ok_statuses=(), **_):
         calls.append((method, path, payload or {}))
+        if path not in routes:
+            assert 404 in ok_statuses, (version, path)  # only a call that expects a 404 may meet one
+            return Answer({"detail": "Not Found"}, 404)
         if path == "/generate":
             return Answer({"text": "", "output_ids": [], "meta_info": {"input_token_logprobs": []}})
         return Answer({"success": True, "message": "ok"})
@@ -74,7 +81,8 @@ def _drive_client(client: SGLangClient) -> None:
     client.score_prompt([1, 2, 3])
     client.update_weights_from_disk("/m", weight_version="1", load_format="safetensors")
     client.init_weights_update_group("127.0.0.1", 1234, 1, 3, "g", "nccl")
-    client.update_weights_from_distributed(["w"], ["bfloat16"], [[2]], "g", weight_version="2")
+    with client.weight_update_session():
+        client.update_weights_from_distributed(["w"], ["bfloat16"], [[2]], "g", weight_version="2")
     client.destroy_weights_update_group("g")
     client.update_weight_version("3")
     client.pause("abort")
@@ -98,13 +106,15 @@ def _body_class(route: dict) -> str | None:
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_every_call_is_a_current_route_with_real_fields(version, monkeypatch):
-    calls = _recorded_calls(monkeypatch)
+    calls = _recorded_calls(monkeypatch, version)
     _drive_client(SGLangClient("http://sglang"))
     snap = SNAPSHOT["versions"][version]
     routes, classes = snap["routes"]["routes"], snap["io_structs"]["classes"]
     deprecated = set(snap["routes"]["deprecated_routes"])
     sampling_fields = set(snap["sampling_params"]["params"])
     for method, path, payload in calls:
+        if path == "/begin_weight_update" and path not in routes:
+            continue  # the session probe; answered 404 where sessions do not exist
         assert path in routes and path not in deprecated, (version, path)
         route = next(r for r in routes[path] if method in r["methods"])
         assert not route.get("always_raises_http_status"), (version, path)
@@ -122,7 +132,7 @@ def test_every_call_is_a_current_route_with_real_fields(version, monkeypatch):
 def test_defaults_sglang_chooses_otherwise_are_sent(version, monkeypatch):
     """Every weight update flushes the prefix cache and lets running requests finish, whatever
     the server's default; the values we send are the ones the request structs define."""
-    calls = _recorded_calls(monkeypatch)
+    calls = _recorded_calls(monkeypatch, version)
     _drive_client(SGLangClient("http://sglang"))
     classes = SNAPSHOT["versions"][version]["io_structs"]["classes"]
     updates = {path: payload for _, path, payload in calls if path.startswith("/update_weights_from")}
@@ -134,6 +144,20 @@ def test_defaults_sglang_chooses_otherwise_are_sent(version, monkeypatch):
     # update_weight_version aborts running requests by default: we say it must not
     [version_update] = [p for _, path, p in calls if path == "/update_weight_version"]
     assert version_update["abort_all_requests"] is False
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_distributed_update_runs_inside_a_session_where_sglang_has_them(version, monkeypatch):
+    """SGLang 0.5.23 refuses update_weights_from_distributed outside begin/end_weight_update;
+    0.5.16 has neither route, and gets only the probe."""
+    calls = _recorded_calls(monkeypatch, version)
+    _drive_client(SGLangClient("http://sglang"))
+    paths = [path for _, path, _ in calls]
+    update = paths.index("/update_weights_from_distributed")
+    if "/begin_weight_update" in SNAPSHOT["versions"][version]["routes"]["routes"]:
+        assert paths[update - 1] == "/begin_weight_update" and paths[update + 1] == "/end_weight_update"
+    else:
+        assert paths[update - 1] == "/begin_weight_update" and "/end_weight_update" not in paths
 
 
 def test_group_samples_get_one_seed_each():
@@ -149,7 +173,7 @@ def test_the_embedded_server_serves_sglang_routes(version):
     sglang_routes = SNAPSHOT["versions"][version]["routes"]["routes"]
     for route in app.routes:
         path = getattr(route, "path", None)
-        if path is None or path in EMBEDDED_EXTRAS:
+        if path is None or path in EMBEDDED_EXTRAS or (path in NEWEST_ONLY and version != VERSIONS[-1]):
             continue
         assert path in sglang_routes, (version, path)
         live = [r for r in sglang_routes[path] if not r.get("always_raises_http_status")]

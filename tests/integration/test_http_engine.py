@@ -272,6 +272,35 @@ def test_weight_version_and_memory_calls(client):
     client.resume_memory(["kv_cache", "weights"])
 
 
+def test_sglang_memory_flags_bound_the_embedded_engine(tiny_model_dir, monkeypatch):
+    """--max-running-requests and --mem-fraction-static reach the engine, from the launcher's
+    flags and from rollout.engine (kind embedded) alike."""
+    from miles_core.config import RolloutConfig
+    from miles_core.rollout import engine_service
+    from miles_core.rollout.engine_group import launch_engine
+
+    built = []
+
+    def recording_engine(*args, **kwargs):
+        built.append(kwargs)
+        return EmbeddedEngine(*args, **kwargs)
+
+    monkeypatch.setattr(engine_service, "EmbeddedEngine", recording_engine)
+    args = parse_args(["--model-path", str(tiny_model_dir), "--max-running-requests", "3",
+                       "--mem-fraction-static", "0.6"])
+    flags = {k: v for k, v in vars(args).items() if v not in (None, False) and k not in ("api_key", "model_path")}
+    with serve(tiny_model_dir, num_threads=1, server_args=flags) as handle:
+        assert handle.service.engine.max_batch_size == 3
+        assert SGLangClient(handle.url).server_info()["mem_fraction_static"] == "0.6"
+    engine = RolloutConfig.model_validate({"engine": {"kind": "embedded", "mem_fraction_static": 0.7,
+                                                      "max_running_requests": 5}}).engine
+    handle = launch_engine(engine, str(tiny_model_dir), "127.0.0.1", "float32", 1, 0, api_key="k")
+    handle.stop()
+    assert [(b.get("max_batch_size"), b.get("mem_fraction_static")) for b in built] == [(3, 0.6), (5, 0.7)]
+    with pytest.raises(ValueError, match="less than 1"):
+        RolloutConfig.model_validate({"engine": {"kind": "embedded", "mem_fraction_static": 1.2}})
+
+
 # ---- weight updates -----------------------------------------------------------------------------
 
 def test_update_weights_from_disk(server, client, target_dir, tmp_path):
@@ -399,12 +428,15 @@ def test_update_weights_from_distributed(launched, target_dir):
         pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
                                        group_name=group, timeout=timedelta(seconds=60))
         assert joined.result(timeout=60)["success"]
-        update = pool.submit(client.update_weights_from_distributed, names,
-                             [str(tensors[n].dtype).removeprefix("torch.") for n in names],
-                             [list(tensors[n].shape) for n in names], group, "9")
-        for name in names:
-            torch.distributed.broadcast(tensors[name].contiguous(), src=0, group=pg)
-        assert update.result(timeout=60)["success"]
+        dtypes = [str(tensors[n].dtype).removeprefix("torch.") for n in names]
+        shapes = [list(tensors[n].shape) for n in names]
+        with pytest.raises(EngineError, match="must run between begin_weight_update"):  # as SGLang 0.5.23
+            client.update_weights_from_distributed(names, dtypes, shapes, group, "9")
+        with client.weight_update_session():
+            update = pool.submit(client.update_weights_from_distributed, names, dtypes, shapes, group, "9")
+            for name in names:
+                torch.distributed.broadcast(tensors[name].contiguous(), src=0, group=pg)
+            assert update.result(timeout=60)["success"]
     try:
         checksum = requests.get(client.base_url + "/get_weights_checksum", timeout=10).json()["sha256"]
         assert checksum == weights_sha256(tensors)
@@ -413,6 +445,24 @@ def test_update_weights_from_distributed(launched, target_dir):
     finally:
         client.destroy_weights_update_group(group)
         torch.distributed.destroy_process_group(pg)
+
+
+def test_weight_update_sessions_open_and_close_as_sglangs(server, client):
+    """SGLang 0.5.23's rules: one session at a time, no end without a begin, a known selector;
+    a session a dead sender left open is closed by the next sender's session."""
+    begin = f"{server.url}/begin_weight_update"
+    assert requests.post(begin, json={"selector": "draft"}, timeout=10).json()["success"]
+    refused = requests.post(begin, json={}, timeout=10)
+    assert refused.status_code == 400 and "already open" in refused.json()["message"]
+    with client.weight_update_session():  # closes the left-open one, then opens its own
+        assert server.service.weight_update_selector == "all"
+    assert server.service.weight_update_selector is None
+    with pytest.raises(EngineError, match="no weight-update session is open"):
+        client._post_result("/end_weight_update", {})
+    assert requests.post(begin, json={"selector": "both"}, timeout=10).status_code == 400
+    with pytest.raises(RuntimeError), client.weight_update_session():
+        raise RuntimeError("the broadcast failed")
+    assert server.service.weight_update_selector is None  # closed for the next attempt
 
 
 def test_launcher_stop_leaves_no_process(launched):

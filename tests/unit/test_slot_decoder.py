@@ -83,6 +83,20 @@ def test_sampling_params_sglang_refuses_are_refused(engines):
         assert len(engine.generate([[5, 6]], {"max_new_tokens": 2, "top_k": -1}, seed=0)[0]["output_ids"]) >= 1
 
 
+def test_kv_budget_follows_sglangs_mem_fraction_static():
+    gib = 2**30
+    # SGLang: what is free, less the (1 - fraction) of the total left for others
+    assert slot_decoder.kv_budget_bytes(60 * gib, 80 * gib, 0.5) == 20 * gib
+    assert slot_decoder.kv_budget_bytes(60 * gib, 80 * gib, None) == int(slot_decoder.KV_CACHE_FRACTION * 60 * gib)
+    with pytest.raises(RuntimeError, match="increase --mem-fraction-static"):
+        slot_decoder.kv_budget_bytes(60 * gib, 80 * gib, 0.2)
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="mem_fraction_static must be in"):
+            EmbeddedEngine("unused", mem_fraction_static=bad)
+    with pytest.raises(ValueError, match="max-running-requests"):
+        EmbeddedEngine("unused", max_batch_size=0)
+
+
 def test_the_kv_cache_holds_only_the_slots_its_budget_allows(tiny_model_dir, engines, monkeypatch):
     reference, _ = engines
     engine = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=True)
