@@ -467,6 +467,12 @@ class RunConfig(Section):
             self._shares_memory()
         if r.engine.kind == "sglang" and r.engine.is_sglang and r.gpus_per_engine < 1:
             raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1")
+        if r.engine.kind == "sglang" and r.weight_transport.kind == "broadcast":
+            for arg in ("dp_size", "pp_size"):  # a broadcast group gives each engine tp_size ranks
+                if int(r.engine.server_args.get(arg) or 1) > 1:
+                    raise ValueError(f"SGLang joins a weight-update group with tp_size ranks per engine and refuses "
+                                     f"one under {arg} > 1: set rollout.engine.server_args.{arg}=1 (more engines: "
+                                     f"rollout.num_engines), or rollout.weight_transport=disk")
         if r.engine.kind == "sglang" and r.verify_weight_sync:
             raise ValueError("rollout.verify_weight_sync compares a sha256 of the engine's weights, which SGLang "
                              "does not serve: set rollout.verify_weight_sync=false for engine sglang")

@@ -48,9 +48,14 @@ def split_sampling_params(params: dict | list[dict], num_prompts: int) -> tuple[
     if any(p != unseeded[0] for p in unseeded):  # one transformers call takes one set
         raise ValueError("per-prompt sampling_params may differ only in sampling_seed on the embedded engine")
     seeds = [p.get("sampling_seed") for p in per_prompt]
+    for seed in seeds:  # SGLang's SamplingParams.verify
+        if seed is not None and not isinstance(seed, int):
+            raise ValueError(f"sampling_seed must be an integer, got {type(seed).__name__}.")
+        if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
+            raise ValueError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
     if all(s is None for s in seeds):
         return unseeded[0], None
-    return unseeded[0], [SGLANG_DEFAULT_SEED if s is None else int(s) for s in seeds]
+    return unseeded[0], [SGLANG_DEFAULT_SEED if s is None else s for s in seeds]
 
 
 class EmbeddedEngine:

@@ -16,6 +16,7 @@ from miles_core.rollout.context import run_generate_fn
 from miles_core.rollout.remote_reward import RemoteRewardClient
 
 SEED_STRIDE = 1_000_003  # more samples than one batch will ever hold
+SEED_MODULUS = 2**63  # SGLang refuses a sampling_seed outside int64 (SamplingParams.verify)
 
 
 class RolloutManager:
@@ -47,7 +48,7 @@ class RolloutManager:
 
     def _seeds(self, position: int, seed: int) -> list[int]:
         n = self.rollout.num_samples_per_prompt
-        return [seed * SEED_STRIDE + position * n + j for j in range(n)]
+        return [(seed * SEED_STRIDE + position * n + j) % SEED_MODULUS for j in range(n)]
 
     def generate(self, prompts: list[Prompt], seed: int) -> list[Sample]:
         """n samples per prompt, grouped contiguously in prompt order, scored (and filtered). Each

@@ -164,6 +164,16 @@ def test_group_samples_get_one_seed_each():
     assert [p["sampling_seed"] for p in _rollout_params([5, 6, 7])] == [5, 6, 7]
 
 
+def test_sample_seeds_stay_within_int64_for_any_run_seed():
+    """SGLang refuses a sampling_seed outside int64 with a 400 for every request of the batch."""
+    manager = RolloutManager.__new__(RolloutManager)
+    manager.rollout = type("Rollout", (), {"num_samples_per_prompt": 8})()
+    huge = 10**9 * 100_003 + 10**6 * 97  # loop.py's step seed for run seed 1e9 at step 1e6
+    seeds = [s for position in range(64) for s in manager._seeds(position, huge)]
+    assert all(0 <= s < 2**63 for s in seeds) and len(set(seeds)) == len(seeds)
+    assert manager._seeds(3, 7) == [7 * 1_000_003 + 3 * 8 + j for j in range(8)]  # small seeds unchanged
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_embedded_server_serves_sglang_routes(version):
     from miles_core.rollout.engine_service import EngineService

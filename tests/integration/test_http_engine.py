@@ -166,6 +166,12 @@ def test_requests_past_the_context_length_or_vocabulary_are_refused_as_sglang_re
             client.generate(prompt, params)
         assert err.value.status == 400
     assert len(client.generate([5] * 10, {"max_new_tokens": context - 11})[0]["output_ids"]) >= 1
+    # SamplingParams.verify: an int64 seed, nothing else
+    for seed, message in [(2**63, r"must be in \[-2\*\*63, 2\*\*63 - 1\]"), (1.5, "must be an integer, got float")]:
+        with pytest.raises(EngineError, match=message) as err:
+            client.generate([5, 6], {**SAMPLED, "sampling_seed": seed})
+        assert err.value.status == 400
+    assert len(client.generate([5, 6], {**SAMPLED, "sampling_seed": -(2**63)})[0]["output_ids"]) >= 1
 
 
 def test_every_generation_runs_on_the_one_generation_thread(server, client, monkeypatch):

@@ -91,6 +91,11 @@ def test_sglang_server_args_and_sync_checks_fail_at_validation():
     assert build_config({"rollout": sglang}).rollout.engine.server_args == {"tp_size": 2}
     with pytest.raises(ConfigError, match="verify_weight_sync=false for engine sglang"):
         build_config({"rollout": sglang | {"verify_weight_sync": True}})
+    for arg in ("dp_size", "pp_size"):  # SGLang's weight-update group counts tp_size ranks only
+        with pytest.raises(ConfigError, match=f"server_args.{arg}=1"):
+            build_config({"rollout": sglang | {"engine": {"kind": "sglang", "server_args": {arg: 2}}}})
+        disk = sglang | {"engine": {"kind": "sglang", "server_args": {arg: 2}}, "weight_transport": "disk"}
+        assert build_config({"rollout": disk}).rollout.engine.server_args == {arg: 2}
 
 
 # ---- Megatron section and `miles plan` on every recipe ----------------------------------------------
