@@ -30,6 +30,17 @@ DTYPES = {"auto": "float32", "float": "float32", "half": "float16"}
 # min_new_tokens) are accepted and ignored, with one warning per key.
 SUPPORTED_SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos",
                       "sampling_seed"}
+# The JSON contract of SGLang 0.5.23's /generate sampling_params (sglang/api/v1/api_types.py,
+# SamplingParams: unknown keys rejected): each field and the JSON type it must have (None: any).
+SGLANG_SAMPLING_JSON: dict[str, type | None] = {
+    **dict.fromkeys(("max_new_tokens", "top_k", "min_new_tokens", "n", "stream_interval", "sampling_seed",
+                     "beam_width"), int),
+    **dict.fromkeys(("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"), float),
+    **dict.fromkeys(("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"), bool),
+    **dict.fromkeys(("stop", "stop_token_ids", "stop_regex", "json_schema", "regex", "ebnf", "structural_tag",
+                     "logit_bias", "custom_params", "watermark", "choice"), None),
+}
 
 
 class Request:
@@ -174,6 +185,8 @@ class EngineService:
     def _sampling_params(self, params: dict | list | None, num_prompts: int) -> tuple[dict, list[int] | None]:
         """One set of params for the batch and the sampling seed of each prompt (see
         engine.split_sampling_params), with SGLang's default budget."""
+        for one in params if isinstance(params, list) else [params or {}]:
+            check_sampling_json(one)
         shared, seeds = split_sampling_params(params or {}, num_prompts)
         merged = {"max_new_tokens": 128, **shared}  # 128 is SGLang's default
         for key in sorted(set(merged) - SUPPORTED_SAMPLING - self.warned_params):
@@ -299,6 +312,23 @@ class EngineService:
     def weights_sha256(self) -> str:
         with self.lock:
             return self.engine.weights_sha256()
+
+
+def check_sampling_json(params: dict) -> None:
+    """ValueError (a 400), in SGLang's words, for a key SGLang's sampling params do not have or a
+    value of the wrong JSON type (an integer field given 128.0, say); null means the default."""
+    if not isinstance(params, dict):
+        raise ValueError("invalid type: sampling_params, expected struct SamplingParams")
+    for key, value in params.items():
+        if key not in SGLANG_SAMPLING_JSON:
+            raise ValueError(f"unknown field `{key}`, expected one of {', '.join(f'`{k}`' for k in SGLANG_SAMPLING_JSON)}")
+        kind = SGLANG_SAMPLING_JSON[key]
+        if value is None or kind is None:
+            continue
+        ok = (isinstance(value, bool) if kind is bool else
+              isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int)))
+        if not ok:
+            raise ValueError(f"invalid type: {value!r} for `{key}`, expected {'i64' if kind is int else kind.__name__}")
 
 
 WEIGHT_UPDATE_SELECTORS = ("target", "draft", "all")  # SGLang's BeginWeightUpdateReqInput.selector

@@ -167,10 +167,14 @@ def test_requests_past_the_context_length_or_vocabulary_are_refused_as_sglang_re
         assert err.value.status == 400
     assert len(client.generate([5] * 10, {"max_new_tokens": context - 11})[0]["output_ids"]) >= 1
     # SamplingParams.verify: an int64 seed, nothing else
-    for seed, message in [(2**63, r"must be in \[-2\*\*63, 2\*\*63 - 1\]"), (1.5, "must be an integer, got float")]:
+    # and the JSON contract of sampling_params (sglang/api/v1/api_types.py): known keys, JSON types
+    for params, message in [({"sampling_seed": 2**63}, r"must be in \[-2\*\*63, 2\*\*63 - 1\]"),
+                            ({"sampling_seed": 1.5}, "expected i64"), ({"max_new_tokens": 3.0}, "expected i64"),
+                            ({"ignore_eos": 1}, "expected bool"), ({"seed": 3}, "unknown field `seed`")]:
         with pytest.raises(EngineError, match=message) as err:
-            client.generate([5, 6], {**SAMPLED, "sampling_seed": seed})
+            client.generate([5, 6], {**SAMPLED, **params})
         assert err.value.status == 400
+    assert len(client.generate([5, 6], {**SAMPLED, "temperature": 1, "min_p": None})[0]["output_ids"]) >= 1
     assert len(client.generate([5, 6], {**SAMPLED, "sampling_seed": -(2**63)})[0]["output_ids"]) >= 1
 
 
