@@ -73,8 +73,8 @@ class EngineService:
         self.load_error: BaseException | None = None
         self.loaded = threading.Event()
         self.lock = threading.Lock()
-        # Generation runs on this one thread: torch keeps compiled steps' CUDA graphs per thread
-        # (cudagraph trees are thread-local), so a pool of threads would record them once each.
+        # Generation calls queue on this one thread (the engine runs one at a time) instead of
+        # each holding a thread of the server's pool while it waits, which weight updates need.
         self.generation_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-generate")
         self.current: Request | None = None
         self.requests: dict[int, Request] = {}

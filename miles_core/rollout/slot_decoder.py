@@ -24,6 +24,7 @@ import inspect
 import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -204,6 +205,10 @@ class SlotDecoder:
         self.model, self.pad_id, self.max_slots = model, pad_id, max_slots
         self.mem_fraction_static = mem_fraction_static
         self.lock = threading.Lock()  # one call at a time owns the slots and the cache
+        # Decoding runs on this one thread, whichever thread calls: torch keeps compiled steps'
+        # CUDA graphs per thread (cudagraph trees are thread-local), so callers on a pool of
+        # threads (an HTTP server, evaluation) would otherwise record them once per thread.
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slot-decoder")
         model.set_attn_implementation(SLOT_ATTENTION)
         self.compiled = compile_steps
         if compile_steps:
@@ -221,7 +226,8 @@ class SlotDecoder:
         columns = round_up(max(len(p) for p in prompts) + sampling.max_new_tokens, COLUMN_MULTIPLE)
         with self.lock:
             num_slots = self._ensure_cache(len(prompts), columns)
-            return _Run(self, prompts, seeds, sampling, num_slots).run_to_completion(interrupted or (lambda: False))
+            run = _Run(self, prompts, seeds, sampling, num_slots)
+            return self.thread.submit(_without_grad, run.run_to_completion, interrupted or (lambda: False)).result()
 
     def _ensure_cache(self, num_prompts: int, columns: int) -> int:
         """Slots for a call of `num_prompts` prompts needing `columns` columns. A cache that fits
@@ -262,6 +268,11 @@ class SlotDecoder:
         held = 0 if self.cache is None else sum(2 * layer.keys.nbytes for layer in self.cache.layers)
         free, total = torch.cuda.mem_get_info(device)
         return kv_budget_bytes(free + held, total, self.mem_fraction_static)
+
+
+def _without_grad(fn: Callable, *args):
+    with torch.no_grad():  # grad mode is per thread: the caller's no_grad does not reach this one
+        return fn(*args)
 
 
 def kv_budget_bytes(free_bytes: int, total_bytes: int, mem_fraction_static: float | None) -> int:

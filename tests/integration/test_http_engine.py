@@ -179,8 +179,8 @@ def test_requests_past_the_context_length_or_vocabulary_are_refused_as_sglang_re
 
 
 def test_every_generation_runs_on_the_one_generation_thread(server, client, monkeypatch):
-    """Compiled decode steps keep their CUDA graphs per thread; requests served from a pool of
-    threads would record them once per thread."""
+    """Waiting requests queue on the one generation thread, not on threads of the server's pool
+    (which weight updates and scoring need meanwhile)."""
     threads, generate = [], server.engine.generate
     monkeypatch.setattr(server.engine, "generate",
                         lambda *a, **k: threads.append(threading.current_thread().name) or generate(*a, **k))

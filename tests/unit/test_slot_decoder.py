@@ -2,6 +2,9 @@
 than prompts, refilled slots must give what transformers' generate gives each prompt, log-probs
 included, and stop where SGLang stops."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -81,6 +84,25 @@ def test_sampling_params_sglang_refuses_are_refused(engines):
             with pytest.raises(ValueError, match=message):
                 engine.generate([[5, 6]], {"max_new_tokens": 2, **params})
         assert len(engine.generate([[5, 6]], {"max_new_tokens": 2, "top_k": -1}, seed=0)[0]["output_ids"]) >= 1
+
+
+def test_every_call_decodes_on_the_decoders_one_thread(tiny_model_dir, engines, monkeypatch):
+    """Compiled steps keep their CUDA graphs per thread: calls from a pool of threads (the HTTP
+    server, evaluation) must all decode on one, with grad off there too."""
+    reference, _ = engines
+    engine = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=True)
+    seen, run = [], slot_decoder._Run.run_to_completion
+
+    def recording(self, interrupted):
+        seen.append((threading.current_thread().name, torch.is_grad_enabled()))
+        return run(self, interrupted)
+
+    monkeypatch.setattr(slot_decoder._Run, "run_to_completion", recording)
+    params = {"temperature": 1.0, "max_new_tokens": 4}
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda i: engine.generate(prompts(3), params, seed=i), range(6)))
+    assert len(seen) == 6 and {name for name, _ in seen} == {"slot-decoder_0"} and not any(g for _, g in seen)
+    assert [o["output_ids"] for o in got[5]] == [o["output_ids"] for o in reference.generate(prompts(3), params, seed=5)]
 
 
 def test_kv_budget_follows_sglangs_mem_fraction_static():
