@@ -76,7 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 OURS_MODES = {"inprocess": "FSDPTrainer.train_step + EmbeddedEngine.generate (RolloutManager, rewards) + weight copy, "
                           "in this process, steps interleaved 1:1 with TRL's",
-              "ray": "run_training on local Ray (sync loop, object_store weight sync), runs alternating with TRL's"}
+              "ray": "run_training on local Ray (sync loop, object_store weight sync), runs alternating with TRL's",
+              "one_side": "FSDPTrainer.train_step + EmbeddedEngine.generate (RolloutManager, rewards) + weight copy, "
+                          "in one process per side on the same machine (--side, --compare)"}
 
 
 def micro_batch(args: argparse.Namespace) -> int:
@@ -291,7 +293,7 @@ def run_one_side(args, cfg, start_dir: Path, train_path: Path, work: Path) -> tu
 
 
 # What two one-side runs must share for their ratio to mean anything.
-COMPARED_SETTINGS = ("device", "model", "max_new_tokens", "prompts", "samples", "micro_batch", "dtype", "lr",
+COMPARED_SETTINGS = ("device", "model", "max_new_tokens", "prompts", "samples", "dtype", "lr",
                      "skip", "steps", "threads", "sft_steps", "trl_gradient_checkpointing")
 
 
@@ -366,9 +368,7 @@ def main(argv=None) -> dict:
         "model": args.model, "device": args.device,
         "mode": args.mode, "start_model": "random" if args.sft_steps == 0 else f"sft_warmup_{args.sft_steps}_steps",
         "threads": args.threads, "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
-        "ours_measured": OURS_MODES[args.mode] if args.side == "both" else
-        "FSDPTrainer.train_step + EmbeddedEngine.generate (RolloutManager, rewards) + weight copy, in one process "
-        "per side on the same machine (--side, --compare)", "ours": o, "trl": t,
+        "ours_measured": OURS_MODES[args.mode if args.side == "both" else "one_side"], "ours": o, "trl": t,
         "load_average_before": load_before, "load_average_after": c.load_average(),
         "wall_seconds": time.perf_counter() - started,
     }

@@ -271,7 +271,9 @@ class SlotDecoder:
 
 
 def _without_grad(fn: Callable, *args):
-    with torch.no_grad():  # grad mode is per thread: the caller's no_grad does not reach this one
+    """fn(*args) with grad off, for the whole decode (prefill and steps): grad mode is per
+    thread, so the caller's no_grad does not reach the decoder's thread."""
+    with torch.no_grad():
         return fn(*args)
 
 
@@ -371,7 +373,6 @@ class _Run:
             stopped = count < self.sampling.max_new_tokens and bool(ids) and ids[-1] in stop_ids
             self.results[self.slot_request[slot]] = Finished(ids, lps[:count], stopped)
 
-    @torch.no_grad()
     def _prefill(self, taken: list[tuple[int, int]]) -> None:
         """Runs the prompts left-padded through the model, moves each one's keys and values to
         columns 0..len-1 of its slot, and samples its first token from the last position."""
@@ -397,7 +398,6 @@ class _Run:
             self.slot_request[slot] = request
         self._advance(out.logits[:, -1], slots, sample_next)  # prefill batches vary in size: not compiled
 
-    @torch.no_grad()
     def _step(self) -> None:
         visible = self.column_ids[None, : self.window] <= self.positions[:, None]
         mask = torch.where(visible, 0.0, torch.finfo(self.mask_dtype).min).to(self.mask_dtype)[:, None, None, :]
