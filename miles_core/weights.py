@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -222,12 +222,29 @@ def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str],
     with ThreadPoolExecutor(max_workers=len(urls)) as pool, contextlib.ExitStack() as sessions:
         for url in urls:
             sessions.enter_context(SGLangClient(url, api_key=api_key).weight_update_session())
-        for bucket in buckets:
+        for index, bucket in enumerate(buckets):
             dtypes = [str(state[n].dtype).removeprefix("torch.") for n in bucket]
             shapes = [list(state[n].shape) for n in bucket]
-            requests = [pool.submit(SGLangClient(url, api_key=api_key).update_weights_from_distributed, bucket, dtypes, shapes,
-                                    group_name, version) for url in urls]
-            for name in bucket:
-                torch.distributed.broadcast(state[name].to(device), src=0, group=group)
-            _check([r.result() for r in requests], int(version))
+            # One cache flush, after the last bucket: SGLang fails an update whose flush it refuses
+            # (requests still queued), after loading the tensors; between buckets nothing generates.
+            flush = index == len(buckets) - 1
+            requests = [pool.submit(SGLangClient(url, api_key=api_key).update_weights_from_distributed, bucket, dtypes,
+                                    shapes, group_name, version, flush) for url in urls]
+            tensors = [state[name].to(device) for name in bucket]
+            works = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
+            _await_bucket(works, requests, group)
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _await_bucket(works: list, requests: list[Future], group) -> None:
+    """Waits for one bucket's broadcasts and every engine's answer. An engine that refuses the
+    update answers at once and never joins the broadcast, which would hold the sender until the
+    group's timeout: on the first refusal the group is aborted (it cannot be used again) and the
+    engine's error raised."""
+    done, _ = wait(requests, return_when=FIRST_EXCEPTION)
+    refused = next((r.exception() for r in done if r.exception() is not None), None)
+    if refused is not None:
+        group.abort()
+        raise refused
+    for work in works:
+        work.wait()

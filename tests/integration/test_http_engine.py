@@ -23,6 +23,7 @@ from miles_core.rollout.router import Router
 from miles_core.rollout.sglang_client import EngineError, SGLangClient, SGLangLauncher
 from miles_core.tiny import build_tiny_model
 from miles_core.weight_layout import weights_sha256
+from miles_core.weights import broadcast_to_engines
 
 torch.set_num_threads(1)
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0}
@@ -455,6 +456,53 @@ def test_update_weights_from_distributed(launched, target_dir):
     finally:
         client.destroy_weights_update_group(group)
         torch.distributed.destroy_process_group(pg)
+
+
+@pytest.fixture
+def trainer_group(launched):
+    """A weight-update group of this process (rank 0, the trainer) and the launched server."""
+    _, client = launched
+    group, port = "miles_test_sender", free_port()
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(client.init_weights_update_group, "127.0.0.1", port, 1, 2, group, "gloo")
+        pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
+                                       group_name=group, timeout=timedelta(seconds=120))
+        assert joined.result(timeout=60)["success"]
+    yield group, pg
+    client.destroy_weights_update_group(group)
+    torch.distributed.destroy_process_group(pg)
+
+
+def test_a_bucketed_broadcast_flushes_the_cache_once_after_its_last_bucket(launched, trainer_group, target_dir,
+                                                                            monkeypatch):
+    _, client = launched
+    group, pg = trainer_group
+    flushes = []
+    update = SGLangClient.update_weights_from_distributed
+
+    def recorded(self, *args):
+        flushes.append(args[-1])
+        return update(self, *args)
+
+    monkeypatch.setattr(SGLangClient, "update_weights_from_distributed", recorded)
+    tensors = _dir_tensors(target_dir)
+    broadcast_to_engines(tensors, pg, [client.base_url], group, "10", bucket_bytes=2**12)
+    assert len(flushes) > 2 and flushes == [False] * (len(flushes) - 1) + [True]
+    assert client.weight_version() == "10"
+    # the stand-in refuses to generate on a cache left unflushed after a weight change, as SGLang would serve stale KV
+    assert client.generate([5, 6], GREEDY)[0]["meta_info"]["weight_version"] == "10"
+
+
+def test_an_engine_refusing_an_update_fails_the_broadcast_at_once_with_its_message(launched, trainer_group,
+                                                                                  target_dir):
+    """A refusing engine never joins the broadcast: the sender must not wait for the group's timeout."""
+    _, client = launched
+    _, pg = trainer_group
+    started = time.monotonic()
+    with pytest.raises(EngineError, match="no weights update group 'not-joined'"):
+        broadcast_to_engines(_dir_tensors(target_dir), pg, [client.base_url], "not-joined", "11", bucket_bytes=2**20)
+    assert time.monotonic() - started < 30  # the group's timeout is 120 s
+    assert client.weight_version() != "11"
 
 
 def test_weight_update_sessions_open_and_close_as_sglangs(server, client):
