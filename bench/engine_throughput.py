@@ -91,6 +91,7 @@ def engine_phases(engine: EmbeddedEngine, work: list[list[int]], params: dict) -
         "seeded_s": timed(lambda: engine.generate(work, params, return_logprob=False, seed=2)),
         "unseeded_s": timed(lambda: engine.generate(work, params, return_logprob=False)),
     }
+    print(f"phases: {phases}", file=sys.stderr, flush=True)
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -115,6 +116,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=256, help="rows per generate call, and the engine's slots")
     parser.add_argument("--mean-length", type=int, default=0, help="stop tokens for about this mean length (0: none)")
+    parser.add_argument("--mem-fraction-static", type=float, default=None,
+                        help="the engine's KV cache size, as SGLang's flag (default: 40%% of the free memory)")
     parser.add_argument("--phases", action="store_true",
                         help="also time the engine without log-probs and without seeds, and print a profile "
                              "of its kernels to stderr")
@@ -124,7 +127,8 @@ def main() -> None:
     stop_ids = stop_ids_for(args.mean_length, vocab)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(args.model, Path(tmp) / "model", dtype)
-        engine = EmbeddedEngine(str(model_dir), dtype=str(dtype).removeprefix("torch."), max_batch_size=args.batch)
+        engine = EmbeddedEngine(str(model_dir), dtype=str(dtype).removeprefix("torch."), max_batch_size=args.batch,
+                                mem_fraction_static=args.mem_fraction_static)
         work = prompts(args.num_seqs, args.prompt_len, vocab)
         # EOS stays on with stop ids (SGLang's ignore_eos would turn stop_token_ids off too); the
         # baseline then stops at the same set: the stop ids and every EOS id of the model.
@@ -135,6 +139,8 @@ def main() -> None:
         print("warm-up (compilation)...", file=sys.stderr)
         engine.generate(work[: args.batch], params, return_logprob=True, seed=0)
         sync()
+        if engine.slots is not None:
+            print("KV cache: {} slots x {} columns".format(*engine.slots.cache.layers[0].keys.shape[::2]), file=sys.stderr)
         started = time.perf_counter()
         outs = engine.generate(work, params, return_logprob=True, seed=1)
         sync()

@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="SFT warm-up steps before RL (default: 200 for tiny, 0 = random for the 0.6B shape)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
                    help="keep TRL's default gradient checkpointing (off by default: ours does not use it)")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="ours: rollout.engine.mem_fraction_static, SGLang's flag sizing the engine's KV cache beside "
+                        "the trainer on the same GPU (default: 40%% of the free memory)")
     p.add_argument("--work-dir", default="/tmp/miles-bench")
     p.add_argument("--side", choices=["both", "ours", "trl"], default="both",
                    help="inprocess mode: run one side only (see above)")
@@ -95,7 +98,8 @@ def ours_config(args: argparse.Namespace, num_steps: int):
         f"training.num_steps={num_steps}", f"training.lr={args.lr}", f"training.num_threads={args.threads}",
         f"rollout.num_prompts_per_step={args.prompts}", f"rollout.num_samples_per_prompt={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.loop=sync", "checkpoint.interval_steps=100000",
-        f"training.micro_batch_size={micro_batch(args)}"])
+        f"training.micro_batch_size={micro_batch(args)}",
+        *([f"rollout.engine.mem_fraction_static={args.mem_fraction_static}"] if args.mem_fraction_static else [])])
 
 
 # ---- ours, in-process ------------------------------------------------------------------------
@@ -128,7 +132,9 @@ class OursInProcess:
         with c.trainer_device(device):
             self.trainer = FSDPTrainer(str(model_dir), cfg.training, cfg.algorithm, r.temperature, r.max_new_tokens,
                                        cfg.seed, r.num_samples_per_prompt)
-        self.engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads, device)
+        memory = {"mem_fraction_static": r.engine.mem_fraction_static, "max_batch_size": r.engine.max_running_requests}
+        self.engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads, device,
+                                     **{k: v for k, v in memory.items() if v is not None})
         self.manager = RolloutManager(_LocalEngines(self.engine), r, r.reward)
         self.step, self.times = 0, []
 
@@ -150,8 +156,14 @@ class OursInProcess:
                   "loss": metrics["train/loss"]}
         self.times.append(record)
         c.log(f"ours step {self.step}: {record['step']:.3f} s (rollout {record['rollout']:.3f}, "
-              f"train {record['train']:.3f}, sync {record['sync']:.4f})")
+              f"train {record['train']:.3f}, sync {record['sync']:.4f}); engine KV cache {kv_cache_shape(self.engine)}")
         return record
+
+
+def kv_cache_shape(engine) -> str:
+    """slots x columns of the engine's slot cache (fewer slots than sequences: several rounds)."""
+    cache = engine.slots.cache if engine.slots is not None else None
+    return "none" if cache is None else "{} slots x {} columns".format(*cache.layers[0].keys.shape[::2])
 
 
 # ---- ours, on Ray ----------------------------------------------------------------------------
@@ -368,6 +380,7 @@ def main(argv=None) -> dict:
         "model": args.model, "device": args.device,
         "mode": args.mode, "start_model": "random" if args.sft_steps == 0 else f"sft_warmup_{args.sft_steps}_steps",
         "threads": args.threads, "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
+        "ours_mem_fraction_static": args.mem_fraction_static,
         "ours_measured": OURS_MODES[args.mode if args.side == "both" else "one_side"], "ours": o, "trl": t,
         "load_average_before": load_before, "load_average_after": c.load_average(),
         "wall_seconds": time.perf_counter() - started,
