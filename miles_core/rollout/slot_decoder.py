@@ -21,6 +21,7 @@ Models whose attention is not one full causal span over keys and values of one h
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -48,6 +49,7 @@ COMPILED_VARIANTS = 64
 
 
 SLOT_ATTENTION = "miles_slot_sdpa"
+log = logging.getLogger(__name__)
 
 
 def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -259,6 +261,13 @@ class SlotDecoder:
         layers = [SlotLayer(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                             positions) for _ in range(config.num_hidden_layers)]
         self.cache = Cache(layers=layers)
+        at_once = min(num_prompts, self.max_slots)
+        if slots < at_once:
+            # Each round decodes to the longest sequence of its slots, so a call takes about
+            # ceil(wanted / slots) times as long as one round.
+            log.warning("the KV cache budget (%.1f GiB) holds %d of the %d sequences of %d tokens this call decodes at "
+                        "once: it runs in rounds; raise mem_fraction_static (SGLang's --mem-fraction-static) to "
+                        "decode them in one", budget / 2**30, slots, at_once, width)
         return min(wanted, slots)
 
     def _kv_budget_bytes(self) -> int:

@@ -119,7 +119,7 @@ def test_kv_budget_follows_sglangs_mem_fraction_static():
         EmbeddedEngine("unused", max_batch_size=0)
 
 
-def test_the_kv_cache_holds_only_the_slots_its_budget_allows(tiny_model_dir, engines, monkeypatch):
+def test_the_kv_cache_holds_only_the_slots_its_budget_allows(tiny_model_dir, engines, monkeypatch, caplog):
     reference, _ = engines
     engine = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=True)
     config = engine.model.config
@@ -130,6 +130,7 @@ def test_the_kv_cache_holds_only_the_slots_its_budget_allows(tiny_model_dir, eng
     params = {"temperature": 1.0, "max_new_tokens": 6}
     got = engine.generate(work, params, seed=3)
     assert engine.slots.cache.layers[0].keys.shape[:3] == (3, config.num_key_value_heads, columns)
+    assert "holds 3 of the 7 sequences of 128 tokens" in caplog.text and "mem_fraction_static" in caplog.text
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference.generate(work, params, seed=3)]
     longer = {"temperature": 1.0, "max_new_tokens": 140}  # 256 columns: within the same bytes, 1 slot
     got = engine.generate(work, longer, seed=4)
