@@ -10,9 +10,11 @@ not involved. On CUDA the model forward runs through transformers' compiled call
 over the static cache addresses) and the sampler through torch.compile.
 
 The cache only grows. A call decodes the first `slots` rows of it (its prompt count, rounded)
-and attends only the first `columns` columns (a power of two past the longest sequence so
-far), so short calls and early steps do not pay for the cache's full size; a new (slots,
-columns) pair compiles, or re-records its CUDA graph, on first use.
+and a step attends only the columns its mask spans (the longest sequence's reach, rounded up to
+COLUMN_MULTIPLE), so short calls and early steps do not pay for the cache's full size. The
+mask's width is a dynamic dimension of the compiled step: a slot count compiles once for
+windows narrower than the cache and once for its full width, and each width records its own
+CUDA graph on first use.
 
 Models whose attention is not one full causal span over keys and values of one head size
 (sliding windows, multi-head latent attention) are not supported: `supports()` says which.
@@ -45,7 +47,7 @@ CHECK_EVERY_STEPS = 8
 SLOT_MULTIPLE, COLUMN_MULTIPLE = 16, 128
 """Slot counts and cache widths are rounded up to these so compiled steps are reused across calls."""
 COMPILED_VARIANTS = 64
-"""torch.compile variants the decode step may keep: (slots, columns) pairs over a process's calls."""
+"""torch.compile variants the decode step may keep over a process's calls (two per slot count and cache width)."""
 
 
 SLOT_ATTENTION = "miles_slot_sdpa"
@@ -60,6 +62,10 @@ def slot_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     half of a decode step at 256 slots x 384 columns on an H100."""
     batch, query_heads, query_length, head_dim = query.shape
     kv_heads = key.shape[1]
+    if attention_mask is not None:
+        # a slot cache's keys: attend only the window the mask spans (a no-op elsewhere); its
+        # width is a dynamic dimension of the compiled step, so a wider window does not recompile
+        key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     if query_length != 1 or query_heads == kv_heads or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -74,8 +80,8 @@ AttentionMaskInterface.register(SLOT_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sd
 
 class SlotLayer(CacheLayerMixin):
     """One decoder layer's keys and values for every slot, [slots, kv_heads, columns, head_dim];
-    a decode step writes slot s's token at column positions[s] and attends the active window
-    [:active_slots, :, :active_columns]."""
+    a decode step writes slot s's token at column positions[s] of the first active_slots slots,
+    which attend as many columns as the step's mask spans (slot_attention)."""
 
     is_compileable = True
     is_sliding = False
@@ -85,7 +91,7 @@ class SlotLayer(CacheLayerMixin):
         self.keys, self.values, self.positions = keys, values, positions
         self.rows = torch.arange(keys.shape[0], device=keys.device)
         self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
-        self.active_slots, self.active_columns = keys.shape[0], keys.shape[2]
+        self.active_slots = keys.shape[0]
         for tensor in (self.keys, self.values, self.positions, self.rows):
             torch._dynamo.mark_static_address(tensor)  # in-place updates keep CUDA graphs valid
 
@@ -93,14 +99,14 @@ class SlotLayer(CacheLayerMixin):
         """Allocated up front: nothing to do."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        slots, columns = self.active_slots, self.active_columns
+        slots = self.active_slots
         rows, positions = self.rows[:slots], self.positions[:slots]
         self.keys[rows, :, positions] = key_states[:, :, 0]
         self.values[rows, :, positions] = value_states[:, :, 0]
-        return self.keys[:slots, :, :columns], self.values[:slots, :, :columns]
+        return self.keys[:slots], self.values[:slots]
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.active_columns, 0
+        return self.keys.shape[2], 0
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return 0  # positions and the mask are passed in; nothing reads a shared length
@@ -348,12 +354,11 @@ class _Run:
         return self.results
 
     def _fit_window(self) -> None:
-        """Attend a power of two of columns past where any slot can reach before the next check."""
+        """Attend the columns any slot can reach before the next check, rounded up to COLUMN_MULTIPLE."""
         reach = int(self.positions.max()) + CHECK_EVERY_STEPS + 1
-        while self.window < min(reach, self.columns):
-            self.window *= 2
+        self.window = min(round_up(reach, COLUMN_MULTIPLE), self.columns)
         for layer in self.cache.layers:
-            layer.active_slots, layer.active_columns = len(self.slot_request), min(self.window, self.columns)
+            layer.active_slots = len(self.slot_request)
 
     def _refill(self, free_slots: list[int]) -> None:
         """Collect the finished slots' results and prefill the next waiting prompts into them."""
@@ -411,6 +416,7 @@ class _Run:
         visible = self.column_ids[None, : self.window] <= self.positions[:, None]
         mask = torch.where(visible, 0.0, torch.finfo(self.mask_dtype).min).to(self.mask_dtype)[:, None, None, :]
         if self.decoder.compiled:
+            torch._dynamo.maybe_mark_dynamic(mask, 3)  # one compiled step for windows narrower than the cache
             torch.compiler.cudagraph_mark_step_begin()
         out = self.decoder.forward(input_ids=self.tokens[:, None], attention_mask=mask, position_ids=self.positions[:, None],
                                    use_cache=True, **{self.decoder.cache_argument: self.cache})

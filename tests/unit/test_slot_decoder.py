@@ -143,14 +143,23 @@ def test_the_kv_cache_holds_only_the_slots_its_budget_allows(tiny_model_dir, eng
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference.generate(work, params, seed=5)]
 
 
-def test_long_sequences_widen_the_attended_window_and_a_short_call_reuses_the_cache(engines):
-    """Past 128 columns the step attends 256; a later call with fewer prompts and tokens decodes
-    a corner of the same cache."""
+def test_long_sequences_widen_the_attended_window_and_a_short_call_reuses_the_cache(engines, monkeypatch):
+    """Decode steps attend the first 128 columns, then 256 once a slot can pass 128; a later call
+    with fewer prompts and tokens decodes a corner of the same cache."""
     reference, slots = engines
     params = {"temperature": 1.0, "max_new_tokens": 150, "ignore_eos": True}
     work = prompts(5)
+    attended, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(query, key, *args, **kwargs):
+        attended.append(key.shape[-2])
+        return sdpa(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
     long = slots.generate(work, params, seed=11)
-    assert slots.slots.cache.layers[0].active_columns == 256
+    monkeypatch.undo()
+    assert slots.slots.cache.layers[0].keys.shape[2] == 256
+    assert {width for width in attended if width >= 128} == {128, 256}  # prefills attend their prompts' widths
     assert [o["output_ids"] for o in long] == [o["output_ids"] for o in reference.generate(work, params, seed=11)]
     cache = slots.slots.cache
     short = slots.generate(work[:2], {"temperature": 1.0, "max_new_tokens": 4}, seed=12)
