@@ -428,39 +428,9 @@ def test_launched_server_serves_at_its_starting_weight_version(launched):
     assert 1 <= len(out["output_ids"]) <= GREEDY["max_new_tokens"]
 
 
-def test_update_weights_from_distributed(launched, target_dir):
-    _, client = launched
-    tensors = _dir_tensors(target_dir)
-    names = sorted(tensors)
-    group, port = "miles_test_weights", free_port()
-    with ThreadPoolExecutor(1) as pool:
-        # The server joins as rank 1 while this process (the "trainer") is rank 0.
-        joined = pool.submit(client.init_weights_update_group, "127.0.0.1", port, 1, 2, group, "gloo")
-        pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
-                                       group_name=group, timeout=timedelta(seconds=60))
-        assert joined.result(timeout=60)["success"]
-        dtypes = [str(tensors[n].dtype).removeprefix("torch.") for n in names]
-        shapes = [list(tensors[n].shape) for n in names]
-        with pytest.raises(EngineError, match="must run between begin_weight_update"):  # as SGLang 0.5.23
-            client.update_weights_from_distributed(names, dtypes, shapes, group, "9")
-        with client.weight_update_session():
-            update = pool.submit(client.update_weights_from_distributed, names, dtypes, shapes, group, "9")
-            for name in names:
-                torch.distributed.broadcast(tensors[name].contiguous(), src=0, group=pg)
-            assert update.result(timeout=60)["success"]
-    try:
-        checksum = requests.get(client.base_url + "/get_weights_checksum", timeout=10).json()["sha256"]
-        assert checksum == weights_sha256(tensors)
-        assert client.weight_version() == "9"
-        assert client.generate([5, 6], GREEDY)[0]["meta_info"]["weight_version"] == "9"
-    finally:
-        client.destroy_weights_update_group(group)
-        torch.distributed.destroy_process_group(pg)
-
-
 @pytest.fixture
 def trainer_group(launched):
-    """A weight-update group of this process (rank 0, the trainer) and the launched server."""
+    """A weight-update group of this process (rank 0, the trainer) and the launched server (rank 1)."""
     _, client = launched
     group, port = "miles_test_sender", free_port()
     with ThreadPoolExecutor(1) as pool:
@@ -471,6 +441,26 @@ def trainer_group(launched):
     yield group, pg
     client.destroy_weights_update_group(group)
     torch.distributed.destroy_process_group(pg)
+
+
+def test_update_weights_from_distributed(launched, trainer_group, target_dir):
+    _, client = launched
+    group, pg = trainer_group
+    tensors = _dir_tensors(target_dir)
+    names = sorted(tensors)
+    dtypes = [str(tensors[n].dtype).removeprefix("torch.") for n in names]
+    shapes = [list(tensors[n].shape) for n in names]
+    with pytest.raises(EngineError, match="must run between begin_weight_update"):  # as SGLang 0.5.23
+        client.update_weights_from_distributed(names, dtypes, shapes, group, "9")
+    with ThreadPoolExecutor(1) as pool, client.weight_update_session():
+        update = pool.submit(client.update_weights_from_distributed, names, dtypes, shapes, group, "9")
+        for name in names:
+            torch.distributed.broadcast(tensors[name].contiguous(), src=0, group=pg)
+        assert update.result(timeout=60)["success"]
+    checksum = requests.get(client.base_url + "/get_weights_checksum", timeout=10).json()["sha256"]
+    assert checksum == weights_sha256(tensors)
+    assert client.weight_version() == "9"
+    assert client.generate([5, 6], GREEDY)[0]["meta_info"]["weight_version"] == "9"
 
 
 def test_a_bucketed_broadcast_flushes_the_cache_once_after_its_last_bucket(launched, trainer_group, target_dir,
