@@ -270,7 +270,7 @@ class SlotDecoder:
         at_once = min(num_prompts, self.max_slots)
         if slots < at_once:
             # Each round decodes to the longest sequence of its slots, so a call takes about
-            # ceil(wanted / slots) times as long as one round.
+            # ceil(at_once / slots) times as long as one round.
             log.warning("the KV cache budget (%.1f GiB) holds %d of the %d sequences of %d tokens this call decodes at "
                         "once: it runs in rounds; raise mem_fraction_static (SGLang's --mem-fraction-static) to "
                         "decode them in one", budget / 2**30, slots, at_once, width)
