@@ -51,6 +51,12 @@ def stub_ray_if_missing() -> bool:
         return True
 
 
+def kv_cache_shape(engine) -> str:
+    """slots x columns of an EmbeddedEngine's slot cache (fewer slots than sequences: it decodes in rounds)."""
+    cache = engine.slots.cache if engine.slots is not None else None
+    return "none" if cache is None else "{} slots x {} columns".format(*cache.layers[0].keys.shape[::2])
+
+
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 

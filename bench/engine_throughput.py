@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import kv_cache_shape
+
 from miles_core.rollout.engine import EmbeddedEngine
 from miles_core.tiny import build_tokenizer
 
@@ -139,8 +141,7 @@ def main() -> None:
         print("warm-up (compilation)...", file=sys.stderr)
         engine.generate(work[: args.batch], params, return_logprob=True, seed=0)
         sync()
-        if engine.slots is not None:
-            print("KV cache: {} slots x {} columns".format(*engine.slots.cache.layers[0].keys.shape[::2]), file=sys.stderr)
+        print(f"KV cache: {kv_cache_shape(engine)}", file=sys.stderr)
         started = time.perf_counter()
         outs = engine.generate(work, params, return_logprob=True, seed=1)
         sync()

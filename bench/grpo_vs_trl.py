@@ -123,6 +123,8 @@ class OursInProcess:
 
         from miles_core.data import PromptSource, read_prompts
         from miles_core.rollout.engine import EmbeddedEngine
+        from miles_core.rollout.engine_group import embedded_server_args
+        from miles_core.rollout.engine_service import memory_args
         from miles_core.rollout.manager import RolloutManager
         from miles_core.training.fsdp import FSDPTrainer
 
@@ -132,9 +134,8 @@ class OursInProcess:
         with c.trainer_device(device):
             self.trainer = FSDPTrainer(str(model_dir), cfg.training, cfg.algorithm, r.temperature, r.max_new_tokens,
                                        cfg.seed, r.num_samples_per_prompt)
-        memory = {"mem_fraction_static": r.engine.mem_fraction_static, "max_batch_size": r.engine.max_running_requests}
         self.engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads, device,
-                                     **{k: v for k, v in memory.items() if v is not None})
+                                     **memory_args(embedded_server_args(r.engine)))
         self.manager = RolloutManager(_LocalEngines(self.engine), r, r.reward)
         self.step, self.times = 0, []
 
@@ -156,14 +157,8 @@ class OursInProcess:
                   "loss": metrics["train/loss"]}
         self.times.append(record)
         c.log(f"ours step {self.step}: {record['step']:.3f} s (rollout {record['rollout']:.3f}, "
-              f"train {record['train']:.3f}, sync {record['sync']:.4f}); engine KV cache {kv_cache_shape(self.engine)}")
+              f"train {record['train']:.3f}, sync {record['sync']:.4f}); engine KV cache {c.kv_cache_shape(self.engine)}")
         return record
-
-
-def kv_cache_shape(engine) -> str:
-    """slots x columns of the engine's slot cache (fewer slots than sequences: several rounds)."""
-    cache = engine.slots.cache if engine.slots is not None else None
-    return "none" if cache is None else "{} slots x {} columns".format(*cache.layers[0].keys.shape[::2])
 
 
 # ---- ours, on Ray ----------------------------------------------------------------------------

@@ -50,10 +50,14 @@ def launch_engine(engine: EngineConfig, model_dir: str, host: str, dtype: str, n
         return launcher
     from miles_core.rollout.http_server import serve  # torch and transformers: engine processes only
 
-    memory_args = {"mem_fraction_static": engine.mem_fraction_static, "max_running_requests": engine.max_running_requests}
     return serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads,
-                 server_args={k: v for k, v in memory_args.items() if v is not None},
-                 weight_version=INITIAL_WEIGHT_VERSION, api_key=api_key)
+                 server_args=embedded_server_args(engine), weight_version=INITIAL_WEIGHT_VERSION, api_key=api_key)
+
+
+def embedded_server_args(engine: EngineConfig) -> dict:
+    """The SGLang flags an embedded engine's config sets (its memory bounds), for its server."""
+    flags = {"mem_fraction_static": engine.mem_fraction_static, "max_running_requests": engine.max_running_requests}
+    return {k: v for k, v in flags.items() if v is not None}
 
 
 class EngineActor:

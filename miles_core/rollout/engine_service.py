@@ -92,7 +92,8 @@ class EngineService:
 
     def load(self) -> None:
         try:
-            engine = EmbeddedEngine(self.model_path, dtype=self.dtype, num_threads=self.num_threads, **self._memory_args())
+            engine = EmbeddedEngine(self.model_path, dtype=self.dtype, num_threads=self.num_threads,
+                                    **memory_args(self.server_args))
             if self.initial_version is not None:  # else SGLang's start, "default" (EmbeddedEngine's too)
                 engine.weight_version = str(self.initial_version)
             engine.interrupted = self._running_request_aborted
@@ -102,16 +103,6 @@ class EngineService:
             self.load_error = exc
         finally:
             self.loaded.set()
-
-    def _memory_args(self) -> dict:
-        """SGLang's flags that bound the engine's memory, as the embedded engine takes them:
-        --max-running-requests (sequences decoded at once) and --mem-fraction-static."""
-        args = {}
-        if self.server_args.get("max_running_requests") is not None:
-            args["max_batch_size"] = int(self.server_args["max_running_requests"])
-        if self.server_args.get("mem_fraction_static") is not None:
-            args["mem_fraction_static"] = float(self.server_args["mem_fraction_static"])
-        return args
 
     @property
     def ready(self) -> bool:
@@ -312,6 +303,17 @@ class EngineService:
     def weights_sha256(self) -> str:
         with self.lock:
             return self.engine.weights_sha256()
+
+
+def memory_args(server_args: dict) -> dict:
+    """SGLang's flags that bound the engine's memory, as EmbeddedEngine takes them:
+    --max-running-requests (sequences decoded at once) and --mem-fraction-static."""
+    args = {}
+    if server_args.get("max_running_requests") is not None:
+        args["max_batch_size"] = int(server_args["max_running_requests"])
+    if server_args.get("mem_fraction_static") is not None:
+        args["mem_fraction_static"] = float(server_args["mem_fraction_static"])
+    return args
 
 
 def check_sampling_json(params: dict) -> None:
