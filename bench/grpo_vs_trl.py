@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="ours: rollout.engine.mem_fraction_static, SGLang's flag sizing the engine's KV cache beside "
                         "the trainer on the same GPU (default: 40%% of the free memory)")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="ours: training.compile_decoder_layers (torch.compile'd decoder layers in the trainer)")
     p.add_argument("--work-dir", default="/tmp/miles-bench")
     p.add_argument("--side", choices=["both", "ours", "trl"], default="both",
                    help="inprocess mode: run one side only (see above)")
@@ -99,7 +101,8 @@ def ours_config(args: argparse.Namespace, num_steps: int):
         f"rollout.num_prompts_per_step={args.prompts}", f"rollout.num_samples_per_prompt={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.loop=sync", "checkpoint.interval_steps=100000",
         f"training.micro_batch_size={micro_batch(args)}",
-        *([f"rollout.engine.mem_fraction_static={args.mem_fraction_static}"] if args.mem_fraction_static else [])])
+        *([f"rollout.engine.mem_fraction_static={args.mem_fraction_static}"] if args.mem_fraction_static else []),
+        *(["training.compile_decoder_layers=true"] if args.compile_layers else [])])
 
 
 # ---- ours, in-process ------------------------------------------------------------------------
@@ -375,7 +378,7 @@ def main(argv=None) -> dict:
         "model": args.model, "device": args.device,
         "mode": args.mode, "start_model": "random" if args.sft_steps == 0 else f"sft_warmup_{args.sft_steps}_steps",
         "threads": args.threads, "trl_gradient_checkpointing": args.trl_gradient_checkpointing,
-        "ours_mem_fraction_static": args.mem_fraction_static,
+        "ours_mem_fraction_static": args.mem_fraction_static, "ours_compile_decoder_layers": args.compile_layers,
         "ours_measured": OURS_MODES[args.mode if args.side == "both" else "one_side"], "ours": o, "trl": t,
         "load_average_before": load_before, "load_average_after": c.load_average(),
         "wall_seconds": time.perf_counter() - started,

@@ -10,7 +10,7 @@ through forward_logits + next_token_logprobs, HF through fsdp.causal_lm_logprobs
 fused vocab-parallel log-prob of miles_core/training/logprobs.py, torch.compile'd on
 CUDA, over bf16 logits) + backward + grad clip + AdamW. Parameters and optimizer state are bf16
 on both sides. Decoder layers are torch.compile'd on both sides unless --no-compile (what
-MILES_TORCH_COMPILE=1 turns on in the trainers). As in the trainers, the first batch size
+training.compile_decoder_layers turns on in the trainers). As in the trainers, the first batch size
 compiles static graphs and the next one a batch-dynamic graph that later sizes reuse;
 --static-shapes compiles one static graph per size instead (faster kernels for Megatron, one
 compile per shape). The two backends alternate per batch size; a batch size that does not fit

@@ -185,6 +185,9 @@ class TrainingConfig(Section):
     """Optimizer updates per RL step (mini-batches); >1 makes the ratio differ from 1."""
     num_threads: int = Field(2, ge=1)
     """torch intra-op threads of the trainer and engine processes on CPU."""
+    compile_decoder_layers: bool = False
+    """torch.compile each decoder layer of the trained models (GPU only; ignored on CPU): fuses the
+    norms, RoPE, SwiGLU and residual adds between the matmuls. The first step pays the compile."""
     cpus_per_trainer: float = Field(1.0, gt=0)
     """Ray CPUs reserved by the trainer, in all: a Megatron trainer group (tp * ep ranks) splits
     them evenly over its rank actors."""

@@ -50,12 +50,13 @@ def trainer_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _shard(model: torch.nn.Module, options: FSDPConfig) -> torch.nn.Module:
+def _shard(model: torch.nn.Module, options: FSDPConfig, compile_layers: bool = False) -> torch.nn.Module:
     """fully_shard each decoder layer and the root over all data-parallel ranks, computing in
-    options.compute_dtype (fp32 master weights and gradient reduction)."""
+    options.compute_dtype (fp32 master weights and gradient reduction); compile_layers:
+    torch.compile each decoder layer first (GPU only)."""
     if options.activation_checkpointing:  # non-reentrant: what FSDP2's per-layer hooks support
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if _compile_requested():
+    if compile_layers and torch.cuda.is_available():
         compile_decoder_layers(model)
     policy = {} if options.compute_dtype == "float32" else {"mp_policy": MixedPrecisionPolicy(
         param_dtype=getattr(torch, options.compute_dtype), reduce_dtype=torch.float32)}
@@ -99,11 +100,6 @@ def compile_decoder_layers(model: torch.nn.Module, layers=None) -> int:
     return len(layers)
 
 
-def _compile_requested() -> bool:
-    """MILES_TORCH_COMPILE=1: compiled decoder layers (GPU only)."""
-    return os.environ.get("MILES_TORCH_COMPILE", "0") == "1" and torch.cuda.is_available()
-
-
 class FSDPTrainer(RLTrainerCore):
     """Owns the policy (and critic/reference/teacher when the objective needs them), their
     optimizers and schedulers; speaks HF parameter names. The RL step is RLTrainerCore's."""
@@ -119,7 +115,8 @@ class FSDPTrainer(RLTrainerCore):
         self.training, self.algorithm, self.group_size = training, algorithm, group_size
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = _shard(self._load(AutoModelForCausalLM, model_dir), training.fsdp).train()
+        self.model = _shard(self._load(AutoModelForCausalLM, model_dir), training.fsdp,
+                            training.compile_decoder_layers).train()
         self.tied = bool(self.model.config.tie_word_embeddings)
         self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), training.lr)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
@@ -129,7 +126,7 @@ class FSDPTrainer(RLTrainerCore):
             config = AutoConfig.from_pretrained(model_dir, num_labels=1)
             config.classifier_dropout = 0.0
             self.critic = _shard(self._load(AutoModelForTokenClassification, model_dir, config=config),
-                                 training.fsdp).train()
+                                 training.fsdp, training.compile_decoder_layers).train()
             self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic.parameters(), algorithm.critic_lr)
         self.reference = self._frozen(model_dir) if objectives.needs_reference(algorithm) else None
         self.teacher = self._frozen(teacher_dir) if algorithm.effective_opd_coef > 0 else None

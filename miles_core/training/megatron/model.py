@@ -252,12 +252,12 @@ def layer_spec(config):
 
 def build_gpt_model(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, ep: int = 1,
                     vocab_divisor: int = DEFAULT_VOCAB_DIVISOR, recompute: bool = False, post_process: bool = True,
-                    fused_swiglu: bool = False, compile_layers: bool | None = None, routing_replay: bool = False):
+                    fused_swiglu: bool = False, compile_layers: bool = False, routing_replay: bool = False):
     """A GPTModel for this rank (model-parallel groups must be initialised: see init_parallel).
 
     post_process=False gives the trunk only (no final norm, no output layer; returns hidden
     states [s, b, h]), used for the critic. compile_layers: torch.compile each decoder layer
-    (GPU only; None = the MILES_TORCH_COMPILE=1 environment switch). routing_replay: MoE
+    (GPU only; training.compile_decoder_layers). routing_replay: MoE
     routers that can replay given experts (``model.router_replays``, see routing_replay.py)."""
     from megatron.core.models.gpt import GPTModel
 
@@ -281,8 +281,6 @@ def build_gpt_model(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, 
         claim_router_replays(model)
     if torch.cuda.is_available():
         model = model.cuda()
-        if compile_layers is None:
-            compile_layers = os.environ.get("MILES_TORCH_COMPILE", "0") == "1"
         if compile_layers and not recompute:
             compile_decoder_layers(model)
     return model

@@ -64,6 +64,7 @@ class MegatronOptions:
     logprob_chunk_tokens: int | None = None
     fused_swiglu: bool = False
     routing_replay: bool = False
+    compile_layers: bool = False
 
     @classmethod
     def from_training(cls, training: TrainingConfig) -> MegatronOptions:
@@ -71,7 +72,8 @@ class MegatronOptions:
         m = training.megatron
         return cls(tp=m.tensor_parallel_size, pp=m.pipeline_parallel_size, ep=m.expert_parallel_size,
                    recompute=m.recompute_activations, logprob_chunk_tokens=m.logprob_chunk_tokens,
-                   fused_swiglu=m.fused_swiglu, routing_replay=m.routing_replay)
+                   fused_swiglu=m.fused_swiglu, routing_replay=m.routing_replay,
+                   compile_layers=training.compile_decoder_layers)
 
 
 def _require_experts(model_dir: str) -> None:
@@ -152,7 +154,7 @@ class MegatronTrainer(RLTrainerCore):
         # post_process=False: the critic trunk (its final norm and head are the ValueHead)
         model = build_gpt_model(hf_config, self.tp, self.dtype, self.opts.ep, recompute=self.opts.recompute,
                                 post_process=post_process, fused_swiglu=self.opts.fused_swiglu,
-                                routing_replay=replay and self.opts.routing_replay)
+                                compile_layers=self.opts.compile_layers, routing_replay=replay and self.opts.routing_replay)
         if megatron_ckpt is not None:
             verify_manifest(megatron_ckpt)
             load_model_checkpoint(model, Path(megatron_ckpt) / TORCH_DIST)
