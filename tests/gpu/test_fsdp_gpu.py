@@ -34,18 +34,20 @@ def model_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("tiny") / "model"))
 
 
-def _step(model_dir: str, dp: int = 1) -> dict:
+def _step(model_dir: str, dp: int = 1, compile_layers: bool = False) -> dict:
     from miles_core.config import AlgorithmConfig, TrainingConfig
     from miles_core.training.fsdp import FSDPTrainer
     from tests.support import random_samples
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    trainer = FSDPTrainer(model_dir, TrainingConfig(micro_batch_size=4, data_parallel_size=dp),
+    trainer = FSDPTrainer(model_dir, TrainingConfig(micro_batch_size=4, data_parallel_size=dp,
+                                                         compile_decoder_layers=compile_layers),
                           AlgorithmConfig(name="grpo", entropy_coef=0.01), group_size=2)
     try:
+        compiled = sum(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in trainer.model.model.layers)
         metrics = trainer.train_step(random_samples(10, seed=1))
         weights = trainer.hf_state_dict(to_cpu=True)
-        return {"device": str(next(trainer.model.parameters()).device), "metrics": metrics,
+        return {"device": str(next(trainer.model.parameters()).device), "metrics": metrics, "compiled": compiled,
                 "logp": trainer.compute_logprobs(random_samples(6, seed=2)), "weights": weights}
     finally:
         trainer.close()
@@ -68,6 +70,16 @@ def test_trainer_runs_on_the_gpu_like_on_the_cpu(model_dir, monkeypatch):
     assert gpu["metrics"]["train/loss"] == pytest.approx(cpu["metrics"]["train/loss"], abs=TOL)
     assert gpu["metrics"]["train/grad_norm"] == pytest.approx(cpu["metrics"]["train/grad_norm"], abs=TOL)
     assert max_abs_diff(gpu["logp"], cpu["logp"]) <= TOL
+
+
+def test_compiled_decoder_layers_train_like_eager_ones(model_dir):
+    from tests.support import max_abs_diff
+
+    eager, compiled = _step(model_dir), _step(model_dir, compile_layers=True)
+    assert compiled["compiled"] > 0 and eager["compiled"] == 0
+    assert compiled["metrics"]["train/loss"] == pytest.approx(eager["metrics"]["train/loss"], abs=TOL)
+    assert compiled["metrics"]["train/grad_norm"] == pytest.approx(eager["metrics"]["train/grad_norm"], abs=TOL)
+    assert max_abs_diff(compiled["logp"], eager["logp"]) <= TOL
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
