@@ -36,6 +36,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -232,7 +233,7 @@ def profile_step(step, model, optimizer, batch: int, seq: int, vocab: int, name:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     if out is not None:
         table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
-        (out / f"profile_{name}.txt").write_text(table)
+        (out / f"profile_{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.txt").write_text(table)  # a plain file name
     summary = {"name": name, "batch": batch, "gpu_kernel_ms": total,
                "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
                "top_kernels_ms": [[k[:110], ms] for k, ms in top[:12]]}
