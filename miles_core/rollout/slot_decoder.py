@@ -10,8 +10,8 @@ not involved. On CUDA the model forward runs through transformers' compiled call
 over the static cache addresses) and the sampler through torch.compile.
 
 The cache only grows. A call decodes the first `slots` rows of it (its prompt count, rounded)
-and a step attends only the columns its mask spans (the longest sequence's reach, rounded up to
-COLUMN_MULTIPLE), so short calls and early steps do not pay for the cache's full size. The
+and a step attends only the columns its mask spans (the longest running sequence's reach, rounded
+up to COLUMN_MULTIPLE), so short calls and early steps do not pay for the cache's full size. The
 mask's width is a dynamic dimension of the compiled step: a slot count compiles once for
 windows narrower than the cache and once for its full width, and each width records its own
 CUDA graph on first use.
@@ -354,8 +354,10 @@ class _Run:
         return self.results
 
     def _fit_window(self) -> None:
-        """Attend the columns any slot can reach before the next check, rounded up to COLUMN_MULTIPLE."""
-        reach = int(self.positions.max()) + CHECK_EVERY_STEPS + 1
+        """Attend the columns any running slot can reach before the next check, rounded up to
+        COLUMN_MULTIPLE. A finished slot left empty (no prompt waits) keeps its last position but
+        reads nothing that is kept, so it must not hold the window open for the others."""
+        reach = int(torch.where(self.done, 0, self.positions).max()) + CHECK_EVERY_STEPS + 1
         self.window = min(round_up(reach, COLUMN_MULTIPLE), self.columns)
         for layer in self.cache.layers:
             layer.active_slots = len(self.slot_request)

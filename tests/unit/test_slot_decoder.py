@@ -168,6 +168,27 @@ def test_long_sequences_widen_the_attended_window_and_a_short_call_reuses_the_ca
         work[:2], {"temperature": 1.0, "max_new_tokens": 4}, seed=12)]
 
 
+def test_a_finished_slot_left_empty_does_not_hold_the_window_open(engines, monkeypatch):
+    """Four slots: a long prompt finishes in slot 1 at column ~220 and nothing refills it; the
+    prompt that refills slot 0 then decodes alone, attending 128 columns, not 256."""
+    reference, slots = engines
+    params = {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}
+    short = prompts(4)
+    work = [short[0], [7] * 200, *short[1:]]
+    decode_widths, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(query, key, *args, **kwargs):
+        if query.shape[-2] <= 2:  # a decode step's query rows (grouped query heads or one token)
+            decode_widths.append(key.shape[-2])
+        return sdpa(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    got = slots.generate(work, params, seed=31)
+    monkeypatch.undo()
+    assert 256 in decode_widths and decode_widths[-1] == 128
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference.generate(work, params, seed=31)]
+
+
 def test_an_interrupt_ends_the_running_slots_and_leaves_the_waiting_prompts_empty(engines, monkeypatch):
     """What /abort_request relies on: the check runs between decode steps, and the sequences
     keep the tokens they had."""
