@@ -34,6 +34,19 @@ def logprobs(out: dict) -> list[float]:
     return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
 
 
+def attended_widths(monkeypatch, call):
+    """call()'s result, and (query rows, key columns) of each attention it ran, in order."""
+    attended, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(query, key, *args, **kwargs):
+        attended.append((query.shape[-2], key.shape[-2]))
+        return sdpa(query, key, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+        return call(), attended
+
+
 @pytest.mark.parametrize("params,seed", SAMPLINGS)
 def test_refilled_slots_give_what_generate_gives(engines, params, seed, monkeypatch):
     reference, slots = engines
@@ -149,17 +162,9 @@ def test_long_sequences_widen_the_attended_window_and_a_short_call_reuses_the_ca
     reference, slots = engines
     params = {"temperature": 1.0, "max_new_tokens": 150, "ignore_eos": True}
     work = prompts(5)
-    attended, sdpa = [], torch.nn.functional.scaled_dot_product_attention
-
-    def recorded(query, key, *args, **kwargs):
-        attended.append(key.shape[-2])
-        return sdpa(query, key, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
-    long = slots.generate(work, params, seed=11)
-    monkeypatch.undo()
+    long, attended = attended_widths(monkeypatch, lambda: slots.generate(work, params, seed=11))
     assert slots.slots.cache.layers[0].keys.shape[2] == 256
-    assert {width for width in attended if width >= 128} == {128, 256}  # prefills attend their prompts' widths
+    assert {width for _, width in attended if width >= 128} == {128, 256}  # prefills attend their prompts' widths
     assert [o["output_ids"] for o in long] == [o["output_ids"] for o in reference.generate(work, params, seed=11)]
     cache = slots.slots.cache
     short = slots.generate(work[:2], {"temperature": 1.0, "max_new_tokens": 4}, seed=12)
@@ -175,16 +180,8 @@ def test_a_finished_slot_left_empty_does_not_hold_the_window_open(engines, monke
     params = {"temperature": 1.0, "max_new_tokens": 20, "ignore_eos": True}
     short = prompts(4)
     work = [short[0], [7] * 200, *short[1:]]
-    decode_widths, sdpa = [], torch.nn.functional.scaled_dot_product_attention
-
-    def recorded(query, key, *args, **kwargs):
-        if query.shape[-2] <= 2:  # a decode step's query rows (grouped query heads or one token)
-            decode_widths.append(key.shape[-2])
-        return sdpa(query, key, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
-    got = slots.generate(work, params, seed=31)
-    monkeypatch.undo()
+    got, attended = attended_widths(monkeypatch, lambda: slots.generate(work, params, seed=31))
+    decode_widths = [width for rows, width in attended if rows <= 2]  # grouped query heads, or one token
     assert 256 in decode_widths and decode_widths[-1] == 128
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in reference.generate(work, params, seed=31)]
 
