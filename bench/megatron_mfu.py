@@ -3,15 +3,15 @@ FSDP2 / HF+SDPA path, same random Qwen3-0.6B-shaped model, same GPU, same run.
 
     python bench/megatron_mfu.py [--batch 8 16 24] [--seq 2048] [--steps 10] [--warmup 3] [--layers 28]
                                  [--no-compile] [--static-shapes] [--sdpa {default,cudnn}] [--sweep]
-                                 [--profile] [--fused-adamw-row] [--out DIR] [--time-budget S]
+                                 [--profile] [--foreach-adamw-row] [--out DIR] [--time-budget S]
 
 One step = forward + token log-probs of every next token (the trainers' loss path: Megatron
 through forward_logits + next_token_logprobs, HF through fsdp.causal_lm_logprobs, both the
 fused vocab-parallel log-prob of miles_core/training/logprobs.py, torch.compile'd on
-CUDA, over bf16 logits) + backward + grad clip + AdamW. Parameters and optimizer state are bf16
-on both sides. Decoder layers are torch.compile'd on both sides unless --no-compile (what
-training.compile_decoder_layers turns on in the trainers). As in the trainers, the first batch size
-compiles static graphs and the next one a batch-dynamic graph that later sizes reuse;
+CUDA, over bf16 logits) + backward + grad clip + AdamW (fused, as the trainers run it on GPU).
+Parameters and optimizer state are bf16 on both sides. Decoder layers are torch.compile'd on both
+sides unless --no-compile (what training.compile_decoder_layers turns on in the trainers). As in
+the trainers, the first batch size compiles static graphs and the next one a batch-dynamic graph that later sizes reuse;
 --static-shapes compiles one static graph per size instead (faster kernels for Megatron, one
 compile per shape). The two backends alternate per batch size; a batch size that does not fit
 is reported as {"oom": true}.
@@ -201,7 +201,7 @@ def _kind(name: str) -> str:
     if n.startswith("triton") or "triton_" in n:
         return "triton (compiled)"
     if "multi_tensor" in n or "foreach" in n or "adam" in n:
-        return "optimizer (foreach)"
+        return "optimizer"
     if "memcpy" in n or "memset" in n or "copy" in n or "fill" in n or "catarray" in n:
         return "copy/fill/cat"
     if "reduce" in n or "norm" in n or "softmax" in n:
@@ -299,9 +299,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--static-shapes", action="store_true",
                         help="compile one static graph per batch size (torch._dynamo automatic_dynamic_shapes off) "
                              "instead of one batch-dynamic graph after the first size")
-    parser.add_argument("--fused-adamw-row", action="store_true",
-                        help="also both backends at the last batch size with AdamW(fused=True) (the trainers use "
-                             "the default, foreach)")
+    parser.add_argument("--foreach-adamw-row", action="store_true",
+                        help="also both backends at the last batch size with AdamW's foreach implementation "
+                             "(the trainers use fused=True on GPU)")
     parser.add_argument("--time-budget", type=float, default=0, help="seconds; skip what would start later")
     args = parser.parse_args(argv)
     setup_env()
@@ -349,8 +349,8 @@ def main(argv: list[str] | None = None) -> dict:
     for layer in hf_model.model.layers:  # the FSDP2 path as FSDPTrainer builds it
         fully_shard(layer)
     fully_shard(hf_model)
-    optimizers = {"megatron": torch.optim.AdamW(mg_model.parameters(), lr=1e-5),
-                  "fsdp2_hf": torch.optim.AdamW(hf_model.parameters(), lr=1e-5)}
+    optimizers = {"megatron": torch.optim.AdamW(mg_model.parameters(), lr=1e-5, fused=True),
+                  "fsdp2_hf": torch.optim.AdamW(hf_model.parameters(), lr=1e-5, fused=True)}
     models = {"megatron": mg_model, "fsdp2_hf": hf_model}
     setters = {"megatron": set_megatron_compiled, "fsdp2_hf": set_hf_compiled}
     steps = {"megatron": megatron_step, "fsdp2_hf": hf_step}
@@ -393,12 +393,12 @@ def main(argv: list[str] | None = None) -> dict:
             label = f"{name} {'compiled' if args.compile else 'eager'} layers, sdpa {args.sdpa}"
             results[name].append(run_one(label, name, steps[name], batch, args.sdpa, prof=args.profile and i == 0))
 
-    if args.fused_adamw_row:
+    if args.foreach_adamw_row:
         for name in models:
             ok = [r for r in results[name] if not r.get("oom")]
             if ok and time_left():
-                optimizers[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-5, fused=True)
-                sweep.append(run_one(f"{name} {'compiled' if args.compile else 'eager'} layers, AdamW fused=True",
+                optimizers[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-5, foreach=True)
+                sweep.append(run_one(f"{name} {'compiled' if args.compile else 'eager'} layers, AdamW foreach",
                                      name, steps[name], ok[-1]["batch"], args.sdpa))
 
     def best(name: str) -> dict | None:

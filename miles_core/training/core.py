@@ -106,7 +106,12 @@ class RLTrainerCore:
     # ---- shared -----------------------------------------------------------------------------------
     def _optimizer(self, params, lr: float):
         t = self.training
-        optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+        params = list(params)
+        # One fused kernel per step on GPU instead of foreach's chain of multi-tensor launches:
+        # 1-3% of a 0.6B step on an H100 (bench/megatron_mfu.py --foreach-adamw-row).
+        fused = bool(params) and all(p.is_cuda for p in params)
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay,
+                                      fused=fused or None)
         warmup = t.lr_warmup_steps
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         return optimizer, schedule

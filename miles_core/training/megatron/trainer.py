@@ -5,8 +5,8 @@ method is called on every rank (each returns the same result, except full weight
 only). Micro-batches are dealt to data-parallel ranks round-robin; gradients are summed over
 the data-parallel group (dp = ep: expert parallel ranks replicate the dense weights).
 
-Optimizer: plain ``torch.optim.AdamW`` over this rank's (TP-sharded) parameters, on CPU and
-GPU alike (megatron's DistributedOptimizer needs its DDP grad buffers; not used here). Its
+Optimizer: plain ``torch.optim.AdamW`` (fused on GPU) over this rank's (TP-sharded) parameters,
+on CPU and GPU alike (megatron's DistributedOptimizer needs its DDP grad buffers; not used here). Its
 moments are checkpointed as torch_dist with the parameters' sharding (see state.py), so a
 checkpoint saved at one TP size resumes at another.
 """
