@@ -176,6 +176,24 @@ class BroadcastTransport:
                 "weights/broadcast_gbytes": sent_bytes / 1e9}
 
 
+class CudaIpcTransport:
+    """Colocated SGLang on the trainer's GPU: per bucket, the trainer casts its weights into one
+    buffer and hands each engine a CUDA IPC handle to it (`/update_weights_from_tensor`, SGLang's
+    flattened-bucket format; see miles_core.sglang_ipc). The bytes never leave the GPU."""
+
+    def __init__(self, bucket_megabytes: int = 512, api_key: str | None = None, engine_dtype: str = "bfloat16",
+                 **_: Any):
+        self.bucket_bytes, self.api_key, self.engine_dtype = bucket_megabytes << 20, api_key, engine_dtype
+
+    def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
+        import ray
+
+        started = time.perf_counter()
+        sent_bytes = ray.get(trainer.send_weights_over_cuda_ipc.remote(
+            [url for _, url in targets], str(version), self.bucket_bytes, self.engine_dtype, self.api_key))
+        return {"weights/sync_seconds": time.perf_counter() - started, "weights/ipc_gbytes": sent_bytes / 1e9}
+
+
 def broadcast_rank_layout(num_engines: int, ranks_per_engine: int) -> tuple[list[int], int]:
     """(rank_offset of each engine, world size): the trainer is rank 0, then every engine's ranks."""
     offsets = [1 + i * ranks_per_engine for i in range(num_engines)]
@@ -196,7 +214,23 @@ def make_transport(config: TransportConfig, sync_dir: str | Path, verify: bool, 
     if config.kind == "broadcast":
         return BroadcastTransport(config.bucket_megabytes, verify=verify, ranks_per_engine=ranks_per_engine,
                                   api_key=api_key, engine_dtype=engine_dtype)
+    if config.kind == "cuda_ipc":
+        return CudaIpcTransport(config.bucket_megabytes, api_key=api_key, engine_dtype=engine_dtype)
     raise ValueError(f"unknown weight transport {config.kind!r}")
+
+
+def bucket_names(state: dict[str, torch.Tensor], bucket_bytes: int, dtype: torch.dtype | None = None) -> list[list[str]]:
+    """The names in order, cut into buckets of at most bucket_bytes (a bigger tensor is a bucket
+    of its own), counting each tensor at dtype's size when given."""
+    buckets, size = [[]], 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * (dtype.itemsize if dtype is not None else tensor.element_size())
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return buckets
 
 
 def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str], group_name: str,
@@ -211,14 +245,7 @@ def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str],
     if dtype is not None:
         state = {name: tensor.to(dtype) for name, tensor in state.items()}
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    names, buckets, size = list(state), [[]], 0
-    for name in names:
-        nbytes = state[name].numel() * state[name].element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(name)
-        size += nbytes
+    buckets = bucket_names(state, bucket_bytes)
     with ThreadPoolExecutor(max_workers=len(urls)) as pool, contextlib.ExitStack() as sessions:
         for url in urls:
             sessions.enter_context(SGLangClient(url, api_key=api_key).weight_update_session())

@@ -83,6 +83,17 @@ class BroadcastTransport(Section):
     """Bucket size (one engine request per bucket)."""
 
 
+class CudaIpcTransport(Section):
+    """SGLang engines on the trainer's GPU (placement.layout=colocated): per bucket, the trainer
+    hands each engine a CUDA IPC handle to its weights (`/update_weights_from_tensor`), so a sync
+    is copies on the GPU and nothing crosses a network or a file. SGLang engines only."""
+
+    kind: Literal["cuda_ipc"] = "cuda_ipc"
+    bucket_megabytes: int = Field(512, ge=1)
+    """Bucket size: the trainer holds one bucket of weights (in the engines' dtype) besides its own
+    during a sync, and sends one engine request per bucket."""
+
+
 class DiskTransport(Section):
     """An HF safetensors directory on a disk trainer and engines share."""
 
@@ -114,7 +125,8 @@ class FullyAsyncLoop(Section):
 
 
 EngineConfig = variants(EmbeddedEngine, SGLangEngine)
-TransportConfig = variants(ObjectStoreTransport, SharedMemoryTransport, BroadcastTransport, DiskTransport)
+TransportConfig = variants(ObjectStoreTransport, SharedMemoryTransport, BroadcastTransport, CudaIpcTransport,
+                           DiskTransport)
 LoopConfig = variants(SyncLoop, OneStepOffLoop, FullyAsyncLoop)
 
 

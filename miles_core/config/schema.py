@@ -463,14 +463,20 @@ class RunConfig(Section):
 
     def _engines_fit(self) -> None:
         r = self.rollout
-        if r.engine.kind == "sglang" and r.weight_transport.kind in ("object_store", "shared_memory"):
-            raise ValueError(f"SGLang engines run in their own process, which the {r.weight_transport.kind} "
+        transport = r.weight_transport.kind
+        if r.engine.kind == "sglang" and transport in ("object_store", "shared_memory"):
+            raise ValueError(f"SGLang engines run in their own process, which the {transport} "
                              "transport cannot reach: set rollout.weight_transport=broadcast (or disk)")
-        if r.weight_transport.kind == "shared_memory":
-            self._shares_memory()
-        if r.engine.kind == "sglang" and r.engine.is_sglang and r.gpus_per_engine < 1:
-            raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1")
-        if r.engine.kind == "sglang" and r.weight_transport.kind == "broadcast":
+        if transport == "cuda_ipc" and not (r.engine.kind == "sglang" and r.engine.is_sglang):
+            raise ValueError("rollout.weight_transport=cuda_ipc hands CUDA IPC handles to SGLang's "
+                             "/update_weights_from_tensor: use it with rollout.engine=sglang (embedded engines on "
+                             "the trainer's device: rollout.weight_transport=shared_memory)")
+        if transport in ("shared_memory", "cuda_ipc"):
+            self._on_one_device(transport)
+        if r.engine.kind == "sglang" and r.engine.is_sglang and r.gpus_per_engine < 1 and transport != "cuda_ipc":
+            raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1 (a fraction of one "
+                             "only beside the trainer on its GPU, with rollout.weight_transport=cuda_ipc)")
+        if r.engine.kind == "sglang" and transport == "broadcast":
             for arg in ("dp_size", "pp_size"):  # a broadcast group gives each engine tp_size ranks
                 if int(r.engine.server_args.get(arg) or 1) > 1:
                     raise ValueError(f"SGLang joins a weight-update group with tp_size ranks per engine and refuses "
@@ -480,17 +486,23 @@ class RunConfig(Section):
             raise ValueError("rollout.verify_weight_sync compares a sha256 of the engine's weights, which SGLang "
                              "does not serve: set rollout.verify_weight_sync=false for engine sglang")
 
-    def _shares_memory(self) -> None:
+    def _on_one_device(self, transport: str) -> None:
+        """shared_memory maps one buffer, cuda_ipc one GPU allocation: the trainer (one rank) and
+        every engine must sit on one device (cuda_ipc: one GPU)."""
         r, t = self.rollout, self.training
+        if transport == "cuda_ipc" and (t.gpus_per_trainer <= 0 or r.gpus_per_engine <= 0):
+            raise ValueError("rollout.weight_transport=cuda_ipc shares GPU memory: give the trainer and the engines "
+                             "one GPU to share (e.g. training.gpus_per_trainer=0.5, rollout.gpus_per_engine=0.5), or "
+                             "use broadcast")
         if (t.gpus_per_trainer > 0) != (r.gpus_per_engine > 0):
-            raise ValueError("rollout.weight_transport=shared_memory maps one buffer on one device: give the "
+            raise ValueError(f"rollout.weight_transport={transport} maps one buffer on one device: give the "
                              "trainer and the engines GPUs (training.gpus_per_trainer, rollout.gpus_per_engine) "
                              "or neither")
         if self.placement.layout != "colocated":
-            raise ValueError("rollout.weight_transport=shared_memory needs the trainer and the engines on one "
+            raise ValueError(f"rollout.weight_transport={transport} needs the trainer and the engines on one "
                              "machine: set placement.layout=colocated (or use broadcast)")
         if r.gpus_per_engine > 0 and (t.world_size > 1 or t.gpus_per_trainer + r.num_engines * r.gpus_per_engine > 1):
-            raise ValueError("rollout.weight_transport=shared_memory on GPUs needs the trainer (one rank) and the "
+            raise ValueError(f"rollout.weight_transport={transport} on GPUs needs the trainer (one rank) and the "
                              "engines on one GPU: placement.layout=colocated and training.gpus_per_trainer + "
                              "rollout.num_engines * rollout.gpus_per_engine <= 1; use broadcast otherwise")
 

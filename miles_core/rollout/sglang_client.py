@@ -33,7 +33,7 @@ RETRY_STATUSES = {500, 502, 503, 504}
 # KV computed with the old weights, and running requests finish rather than being aborted.
 WEIGHT_UPDATE_DEFAULTS = {"flush_cache": True, "abort_all_requests": False}
 IN_PROCESS_WEIGHTS_REFUSED = ("an SGLang engine runs in its own process: its weights move over HTTP "
-                              "(rollout.weight_transport=broadcast or disk)")
+                              "(rollout.weight_transport=broadcast, cuda_ipc or disk)")
 
 
 class EngineError(InfrastructureError):
@@ -256,6 +256,17 @@ class SGLangClient:
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         return self._post_result("/update_weights_from_distributed", payload)
+
+    def update_weights_from_ipc_handles(self, payloads: list[str], weight_version: str | None = None,
+                                        flush_cache: bool = True) -> dict:
+        """POST /update_weights_from_tensor in SGLang's flattened-bucket format: one base64 payload
+        per TP rank (miles_core.sglang_ipc.serialize_bucket), each CUDA IPC handles to a buffer on
+        that rank's GPU. Inside a `weight_update_session` (SGLang 0.5.23 refuses it outside one)."""
+        payload: dict[str, Any] = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
+                                   **WEIGHT_UPDATE_DEFAULTS, "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return self._post_result("/update_weights_from_tensor", payload)
 
     def destroy_weights_update_group(self, group_name: str) -> dict:
         return self._post_result("/destroy_weights_update_group", {"group_name": group_name})

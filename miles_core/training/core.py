@@ -291,6 +291,17 @@ class RLTrainerCore:
         return broadcast_to_engines(weights, self.broadcast_group, urls, group_name, version, bucket_bytes,
                                     api_key, dtype=None if dtype is None else getattr(torch, dtype))
 
+    def send_weights_over_cuda_ipc(self, urls: list[str], version: str, bucket_bytes: int, dtype: str,
+                                   api_key: str | None = None) -> int:
+        """Hand colocated SGLang engines CUDA IPC handles to the weights cast to dtype (see
+        miles_core.sglang_ipc); the bytes per engine on rank 0, 0 elsewhere. A collective."""
+        from miles_core.sglang_ipc import send_weights_over_cuda_ipc
+
+        weights = self._weights_to_share()
+        if _rank() != 0:
+            return 0
+        return send_weights_over_cuda_ipc(weights, urls, version, bucket_bytes, getattr(torch, dtype), api_key)
+
     def close_weight_broadcast(self) -> None:
         group, self.broadcast_group = self.broadcast_group, None
         if group is not None:

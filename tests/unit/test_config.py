@@ -82,6 +82,24 @@ def test_shared_memory_transport_needs_trainer_and_engines_on_one_device():
         build_config({}, one_gpu + ["placement.layout=colocated", "rollout.num_engines=2"])
 
 
+def test_cuda_ipc_transport_needs_sglang_beside_the_trainer_on_one_gpu():
+    ipc = ["rollout.engine=sglang", "rollout.weight_transport=cuda_ipc"]
+    with pytest.raises(ConfigError, match="one GPU to share"):  # the trainer on CPU
+        build_config({}, ipc + ["rollout.gpus_per_engine=1"])
+    one_gpu = ipc + ["rollout.gpus_per_engine=0.5", "training.gpus_per_trainer=0.5"]
+    with pytest.raises(ConfigError, match="placement.layout=colocated"):
+        build_config({}, one_gpu)
+    cfg = build_config({}, one_gpu + ["placement.layout=colocated"])
+    assert (cfg.rollout.weight_transport.kind, cfg.rollout.weight_transport.bucket_megabytes) == ("cuda_ipc", 512)
+    with pytest.raises(ConfigError, match="on one GPU"):
+        build_config({}, one_gpu + ["placement.layout=colocated", "rollout.num_engines=2"])
+    with pytest.raises(ConfigError, match="use it with rollout.engine=sglang"):  # embedded engines: shared_memory
+        build_config({}, ["rollout.weight_transport=cuda_ipc", "rollout.gpus_per_engine=0.5",
+                          "training.gpus_per_trainer=0.5", "placement.layout=colocated"])
+    with pytest.raises(ConfigError, match="gpus_per_engine >= 1"):  # a fraction of a GPU only beside the trainer
+        build_config({}, ["rollout.engine=sglang", "rollout.weight_transport=broadcast", "rollout.gpus_per_engine=0.5"])
+
+
 def test_sglang_server_args_and_sync_checks_fail_at_validation():
     sglang = {"engine": {"kind": "sglang", "server_args": {"cuda_graph_max_bs": 8}}, "gpus_per_engine": 1,
               "weight_transport": "broadcast"}
@@ -182,7 +200,8 @@ def test_a_variant_can_be_written_as_its_kind_and_extended_with_set():
     assert RunConfig.model_validate(cfg.model_dump()) == cfg  # the resolved config round-trips
     rows = {name: doc for name, _, doc in field_docs()}
     assert rows["rollout.loop.kind"].startswith("one of sync | one_step_off | fully_async")
-    assert rows["rollout.weight_transport.bucket_megabytes"].startswith("(broadcast only)")
+    bucket_docs = [doc for name, _, doc in field_docs() if name == "rollout.weight_transport.bucket_megabytes"]
+    assert [doc.split(")")[0] for doc in bucket_docs] == ["(broadcast only", "(cuda_ipc only"]
 
 
 # ---- recipes that would silently mean something else fail with the reason ------------------------------

@@ -1,0 +1,91 @@
+"""Weights to a colocated SGLang engine over CUDA IPC (the `cuda_ipc` weight transport).
+
+SGLang's `/update_weights_from_tensor` with `load_format="flattened_bucket"` takes, per engine
+TP rank, one base64 string: a `MultiprocessingSerializer` (torch ForkingPickler) dump of
+``{"flattened_tensor": uint8 tensor, "metadata": [entries with name, shape, dtype, start_idx,
+end_idx, numel]}``. A CUDA tensor pickles to an IPC handle, not its bytes: the engine maps the
+trainer's bucket and copies out of it, so a sync moves each weight once, on the GPU.
+
+What SGLang accepts (read from its source, 0.5.23): it unpickles with an allow-list
+(`SafeUnpickler`) that admits torch's tensor rebuild functions, `types.SimpleNamespace` and its
+own metadata class, and it maps a CUDA device given as a GPU UUID to its own index (the trainer and
+the engine see the GPU under different `CUDA_VISIBLE_DEVICES`). So entries here are
+`SimpleNamespace`s (no SGLang import on the trainer) and the device goes as its UUID.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import math
+from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
+
+import torch
+from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
+
+from miles_core.rollout.sglang_client import SGLangClient
+from miles_core.weight_layout import checkpoint_layout
+from miles_core.weights import bucket_names
+
+ALIGN_BYTES = 256  # every tensor starts on a 256-byte boundary: SGLang views each slice as its dtype
+_DEVICE_ARG = 6  # torch's reduce_tensor(cuda tensor) args: (type, size, stride, offset, storage type, dtype, device, ...)
+
+
+def flatten_bucket(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[torch.Tensor, list]:
+    """One uint8 buffer on the tensors' device holding each tensor cast to dtype (one fused
+    multi-tensor copy), and SGLang's metadata entry for each."""
+    entries, offset = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * dtype.itemsize
+        entries.append(SimpleNamespace(name=name, shape=torch.Size(tensor.shape), dtype=dtype,
+                                       start_idx=offset, end_idx=offset + nbytes, numel=nbytes))
+        offset += math.ceil(nbytes / ALIGN_BYTES) * ALIGN_BYTES
+    flat = torch.empty(offset, dtype=torch.uint8, device=named[0][1].device)
+    views = [flat[e.start_idx : e.end_idx].view(dtype).view(e.shape) for e in entries]
+    torch._foreach_copy_(views, [tensor for _, tensor in named])
+    return flat, entries
+
+
+def serialize_bucket(flat: torch.Tensor, entries: list) -> str:
+    """The base64 payload SGLang deserializes for one TP rank. Serialize once per engine: each
+    dump registers its own reference to the buffer with torch's CUDA IPC bookkeeping."""
+    stream = io.BytesIO()
+    pickler = ForkingPickler(stream)
+    pickler.dispatch_table[torch.Tensor] = _reduce_with_device_uuid
+    pickler.dump({"flattened_tensor": flat, "metadata": entries})
+    return base64.b64encode(stream.getvalue()).decode("ascii")
+
+
+def _reduce_with_device_uuid(tensor: torch.Tensor):
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if tensor.is_cuda:
+        uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
+        args = (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1:])
+    return rebuild, args
+
+
+def send_weights_over_cuda_ipc(state: dict[str, torch.Tensor], urls: list[str], version: str, bucket_bytes: int,
+                               dtype: torch.dtype, api_key: str | None = None) -> int:
+    """Sender side (runs in the trainer, on the engines' GPU): per bucket, one buffer of the
+    weights cast to dtype (the engines' own) and one `/update_weights_from_tensor` per engine, all
+    in one weight-update session per engine. The buffer stays alive until every engine has
+    answered, so no engine reads freed memory. Returns the bytes handed over per engine."""
+    state = checkpoint_layout(state)  # SGLang's loaders skip fused MoE expert names without an error
+    clients = [SGLangClient(url, api_key=api_key) for url in urls]
+    sent = 0
+    with contextlib.ExitStack() as sessions:
+        for client in clients:
+            sessions.enter_context(client.weight_update_session())
+        buckets = bucket_names(state, bucket_bytes, dtype)
+        for index, names in enumerate(buckets):
+            named = [(name, state[name]) for name in names]
+            flat, entries = flatten_bucket(named, dtype)
+            if flat.is_cuda:  # the engine reads the buffer from its own process and stream
+                torch.cuda.current_stream().synchronize()
+            last = index == len(buckets) - 1  # one cache flush, after the last bucket (as broadcast does)
+            for client in clients:
+                client.update_weights_from_ipc_handles([serialize_bucket(flat, entries)], version, flush_cache=last)
+            sent += flat.numel()
+    return sent

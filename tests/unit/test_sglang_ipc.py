@@ -1,0 +1,132 @@
+"""The cuda_ipc weight transport's sender: buckets SGLang can read, payloads SGLang's unpickler
+admits, requests in SGLang's order. (The CUDA half, a handle mapped by another process, is
+tests/gpu/test_sglang_ipc_gpu.py.)
+
+What SGLang admits when it unpickles a payload (python/sglang/srt/utils/common.py, SafeUnpickler):
+0.5.16 allows module prefixes (builtins., collections., copyreg., types., torch.,
+multiprocessing.reduction., multiprocessing.resource_sharer., ...); 0.5.23 allows exact
+(module, name) pairs. The pairs below are the ones of 0.5.23's list a payload may need; a payload
+that needs any other global would be refused by 0.5.23.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+
+import pytest
+import torch
+
+from miles_core.sglang_ipc import ALIGN_BYTES, flatten_bucket, send_weights_over_cuda_ipc, serialize_bucket
+from tests.unit.test_sglang_shapes import UPDATE_OK, FakeSGLang
+
+SGLANG_0_5_16_PREFIXES = ("builtins.", "collections.", "copyreg.", "functools.", "types.", "torch.",
+                          "multiprocessing.reduction.", "multiprocessing.resource_sharer.")
+SGLANG_0_5_23_GLOBALS = {
+    ("builtins", "dict"), ("builtins", "list"), ("builtins", "tuple"), ("collections", "OrderedDict"),
+    ("copyreg", "__newobj__"), ("types", "SimpleNamespace"),
+    ("multiprocessing.resource_sharer", "DupFd"),
+    ("torch", "Size"), ("torch", "Tensor"), ("torch", "device"), ("torch", "dtype"),
+    ("torch", "bfloat16"), ("torch", "float16"), ("torch", "float32"), ("torch", "uint8"),
+    ("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+}
+
+
+class SGLangUnpickler(pickle.Unpickler):
+    """Admits only what both SGLang versions admit; records what the payload asked for."""
+
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data))
+        self.globals: set[tuple[str, str]] = set()
+
+    def find_class(self, module: str, name: str):
+        self.globals.add((module, name))
+        if (module, name) not in SGLANG_0_5_23_GLOBALS or not (module + ".").startswith(SGLANG_0_5_16_PREFIXES):
+            raise pickle.UnpicklingError(f"SGLang refuses the global {module}.{name}")
+        return super().find_class(module, name)
+
+
+def read_as_sglang(payload: str) -> list[tuple[str, torch.Tensor]]:
+    """What SGLang's flattened-bucket loader does with one rank's payload."""
+    bucket = SGLangUnpickler(base64.b64decode(payload, validate=True)).load()
+    flat = bucket["flattened_tensor"]
+    assert flat.dtype == torch.uint8 and flat.dim() == 1
+    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in bucket["metadata"]]
+
+
+def weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"model.embed_tokens.weight": torch.randn(37, 5, generator=g),
+            "model.layers.0.self_attn.q_proj.weight": torch.randn(3, 7, generator=g),
+            "model.norm.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+            "lm_head.weight": torch.randn(37, 5, generator=g)}
+
+
+def test_a_bucket_read_as_sglang_reads_it_gives_each_weight_cast_to_the_engine_dtype():
+    named = list(weights().items())
+    flat, entries = flatten_bucket(named, torch.bfloat16)
+    assert all(e.start_idx % ALIGN_BYTES == 0 for e in entries)  # each slice can be viewed as its dtype
+    got = read_as_sglang(serialize_bucket(flat, entries))
+    assert [name for name, _ in got] == [name for name, _ in named]
+    for (_, tensor), (_, received) in zip(named, got):
+        assert received.dtype == torch.bfloat16 and received.shape == tensor.shape
+        assert torch.equal(received, tensor.to(torch.bfloat16))
+
+
+def test_the_payload_asks_only_for_globals_both_sglang_versions_admit():
+    flat, entries = flatten_bucket(list(weights().items()), torch.float32)
+    unpickler = SGLangUnpickler(base64.b64decode(serialize_bucket(flat, entries)))
+    unpickler.load()
+    assert ("types", "SimpleNamespace") in unpickler.globals  # no SGLang class: nothing to import on the trainer
+    assert not any(module.startswith("miles_core") for module, _ in unpickler.globals)
+
+
+@pytest.fixture
+def fake():
+    server = FakeSGLang()
+    yield server
+    server.server.shutdown()
+    server.server.server_close()
+
+
+def test_a_sync_sends_every_bucket_in_one_session_and_flushes_once(fake):
+    fake.on("POST", "/begin_weight_update", (200, {"success": True, "message": "opened"}))
+    fake.on("POST", "/update_weights_from_tensor", (200, UPDATE_OK))
+    fake.on("POST", "/end_weight_update", (200, {"success": True, "message": "closed"}))
+    state = weights()
+    received: dict[str, torch.Tensor] = {}
+
+    sent = send_weights_over_cuda_ipc(state, [fake.url], "7", bucket_bytes=200, dtype=torch.bfloat16)
+
+    paths = [path for _, path, _ in fake.calls]
+    updates = fake.bodies("/update_weights_from_tensor")
+    assert paths == ["/begin_weight_update", *["/update_weights_from_tensor"] * len(updates), "/end_weight_update"]
+    assert len(updates) == 3  # bf16 bytes 370 | 42 + 10 | 370 against 200-byte buckets
+    assert [u["flush_cache"] for u in updates] == [False, False, True]
+    assert {u["load_format"] for u in updates} == {"flattened_bucket"}
+    assert {u["weight_version"] for u in updates} == {"7"}
+    for update in updates:
+        assert len(update["serialized_named_tensors"]) == 1  # one payload per TP rank (tp_size 1)
+        received.update(read_as_sglang(update["serialized_named_tensors"][0]))
+    assert received.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(received[name], tensor.to(torch.bfloat16))
+    assert sent >= sum(t.numel() * 2 for t in state.values())
+
+
+def test_a_refused_bucket_fails_the_sync_and_closes_the_session(fake):
+    fake.on("POST", "/begin_weight_update", (200, {"success": True, "message": "opened"}))
+    fake.on("POST", "/update_weights_from_tensor",
+            (400, {"success": False, "message": "Blocked unsafe global during pickle deserialization"}))
+    fake.on("POST", "/end_weight_update", (200, {"success": True, "message": "closed"}))
+    with pytest.raises(Exception, match="Blocked unsafe global"):
+        send_weights_over_cuda_ipc(weights(), [fake.url], "8", bucket_bytes=1 << 20, dtype=torch.bfloat16)
+    assert [path for _, path, _ in fake.calls] == ["/begin_weight_update", "/update_weights_from_tensor",
+                                                   "/end_weight_update"]
