@@ -29,7 +29,7 @@ SGLANG_0_5_23_GLOBALS = {
     ("multiprocessing.resource_sharer", "DupFd"),
     ("torch", "Size"), ("torch", "Tensor"), ("torch", "device"), ("torch", "dtype"),
     ("torch", "bfloat16"), ("torch", "float16"), ("torch", "float32"), ("torch", "uint8"),
-    ("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"),
+    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"),
     ("torch._utils", "_rebuild_tensor_v2"),
     ("torch.multiprocessing.reductions", "rebuild_tensor"),
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
