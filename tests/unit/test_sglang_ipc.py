@@ -130,3 +130,15 @@ def test_a_refused_bucket_fails_the_sync_and_closes_the_session(fake):
         send_weights_over_cuda_ipc(weights(), [fake.url], "8", bucket_bytes=1 << 20, dtype=torch.bfloat16)
     assert [path for _, path, _ in fake.calls] == ["/begin_weight_update", "/update_weights_from_tensor",
                                                    "/end_weight_update"]
+
+
+def test_the_config_names_the_transport_with_its_bucket_size_and_the_engine_dtype():
+    from miles_core.config import build_config
+    from miles_core.weights import CudaIpcTransport, make_transport
+
+    cfg = build_config({}, ["rollout.engine=sglang", "rollout.weight_transport=cuda_ipc",
+                            "rollout.weight_transport.bucket_megabytes=64", "rollout.gpus_per_engine=0.5",
+                            "training.gpus_per_trainer=0.5", "placement.layout=colocated"])
+    transport = make_transport(cfg.rollout.weight_transport, "unused", verify=False, engine_dtype="bfloat16")
+    assert isinstance(transport, CudaIpcTransport)
+    assert (transport.bucket_bytes, transport.engine_dtype) == (64 << 20, "bfloat16")
