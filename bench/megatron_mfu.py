@@ -2,7 +2,7 @@
 FSDP2 / HF+SDPA path, same random Qwen3-0.6B-shaped model, same GPU, same run.
 
     python bench/megatron_mfu.py [--batch 8 16 24] [--seq 2048] [--steps 10] [--warmup 3] [--layers 28]
-                                 [--no-compile] [--static-shapes] [--sdpa {default,cudnn}] [--sweep]
+                                 [--no-compile] [--static-shapes] [--sdpa {default,cudnn}] [--sweep] [--rope-per-layer]
                                  [--profile] [--foreach-adamw-row] [--out DIR] [--time-budget S]
 
 One step = forward + token log-probs of every next token (the trainers' loss path: Megatron
@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layers", type=int, default=QWEN3_06B_SHAPE["num_hidden_layers"])
     parser.add_argument("--fused-swiglu", action="store_true", help="megatron's torch.compile'd SwiGLU")
+    parser.add_argument("--rope-per-layer", action="store_true",
+                        help="megatron's own RoPE (cos and sin in every layer): the baseline of the trainers' "
+                             "precomputed RoPE (miles_core/training/megatron/rope.py)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager decoder layers")
     parser.add_argument("--sdpa", choices=["default", "cudnn"], default="default",
                         help="cudnn: prefer the cuDNN SDPA backend (falls back to flash)")
@@ -340,6 +343,10 @@ def main(argv: list[str] | None = None) -> dict:
     hf_model = build_hf(config, dtype)
     params = sum(p.numel() for p in hf_model.parameters())  # tied embedding counted once
     attn_flops = 6 * args.seq * config.num_attention_heads * config.head_dim * args.layers
+    if args.rope_per_layer:
+        import miles_core.training.megatron.rope as rope
+
+        rope.precompute_rope = lambda model: False
     mg_model = build_megatron(config, hf_model, dtype, args.fused_swiglu)
     agreement = logits_agreement(hf_model, mg_model, vocab)
     log(f"params {params / 1e6:.1f}M; megatron vs HF logits max rel diff {agreement:.3g}; "
@@ -421,7 +428,8 @@ def main(argv: list[str] | None = None) -> dict:
         "layers": args.layers, "steps": args.steps, "dtype": "bfloat16", "peak_flops": PEAK_FLOPS,
         "attn_flops_per_token": attn_flops, "compiled_layers": args.compile, "static_shapes": args.static_shapes,
         "sdpa": args.sdpa,
-        "fused_swiglu": args.fused_swiglu, "dynamo_graphs": graphs, "dynamo_graph_breaks": breaks,
+        "fused_swiglu": args.fused_swiglu, "rope_per_layer": args.rope_per_layer,
+        "dynamo_graphs": graphs, "dynamo_graph_breaks": breaks,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "megatron_core": megatron.core.__version__},
         "logits_max_rel_diff": agreement,

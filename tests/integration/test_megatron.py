@@ -137,6 +137,29 @@ def test_tp1_logits_match_hf_and_torch_dist_round_trip(models, tmp_path):
     assert set(original) == set(exported) and all(torch.equal(original[k], exported[k]) for k in original)
 
 
+def test_rope_from_cos_sin_computed_once_equals_megatrons_own(models):
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from miles_core.training.megatron.model import build_gpt_model, init_parallel, shutdown_parallel
+    from miles_core.training.megatron.rope import apply_rope
+
+    created = init_parallel(1)
+    try:
+        model = build_gpt_model(_hf(models["llama"]).config, 1)  # rope_theta 5e5
+        head_dim = model.config.kv_channels
+        cos_sin = model.rotary_pos_emb(13)  # what each layer now gets
+        angles = RotaryEmbedding.forward(model.rotary_pos_emb, 13)  # what megatron would hand it
+        assert cos_sin.shape == (13, 1, 1, 2 * head_dim) and angles.shape == (13, 1, 1, head_dim)
+        for dtype in (torch.float32, torch.bfloat16):
+            t = torch.randn(13, 2, model.config.num_attention_heads, head_dim,
+                            generator=torch.Generator().manual_seed(0)).to(dtype)
+            assert torch.equal(apply_rope(t, cos_sin, model.config), apply_rotary_pos_emb(t, angles, config=model.config))
+            assert torch.equal(apply_rope(t, angles, config=model.config), apply_rotary_pos_emb(t, angles, config=model.config))
+    finally:
+        shutdown_parallel(created)
+
+
 def test_chunked_vocab_parallel_logprobs_match_log_softmax():
     from miles_core.training.logprobs import token_logprobs
     from miles_core.training.megatron.model import init_parallel, shutdown_parallel

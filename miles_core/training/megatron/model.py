@@ -262,6 +262,7 @@ def build_gpt_model(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, 
     from megatron.core.models.gpt import GPTModel
 
     from miles_core.training.megatron.cpu_compat import enable_cpu_mode
+    from miles_core.training.megatron.rope import precompute_rope
 
     enable_cpu_mode()
     shape = model_shape(hf_config, tp, vocab_divisor)
@@ -275,6 +276,7 @@ def build_gpt_model(hf_config, tp: int = 1, dtype: torch.dtype = torch.float32, 
     _mark_tensor_parallel(model)
     _pass_row_parallel_group(model)
     _batch_major_output(model)
+    precompute_rope(model)
     if routing_replay:
         from miles_core.training.megatron.routing_replay import claim_router_replays
 
