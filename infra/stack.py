@@ -151,13 +151,15 @@ def _is_ours(rec: dict | None) -> bool:
 
 
 def _session_members(sid: int) -> list[int]:
+    """The session's processes that have not exited. One still exiting counts: its command line
+    is already empty, but it holds its ports and files until it is a zombie."""
     members = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if os.getsid(int(entry.name)) == sid and _cmdline(int(entry.name)) is not None:
+                if os.getsid(int(entry.name)) == sid and psutil.Process(int(entry.name)).status() != psutil.STATUS_ZOMBIE:
                     members.append(int(entry.name))
-            except OSError:
+            except (OSError, psutil.Error):
                 continue
     return members
 
