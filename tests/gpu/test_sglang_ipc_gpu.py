@@ -20,27 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 
-def _map_device_uuids() -> None:
-    """SGLang's receiver patch (sglang/srt/utils/patch_torch.py): a CUDA tensor's device may come
-    as a GPU UUID, which names the same GPU under any CUDA_VISIBLE_DEVICES."""
-    from torch.multiprocessing import reductions
-
-    original = reductions.rebuild_cuda_tensor
-
-    def rebuild(*args):
-        device = args[6]
-        if isinstance(device, str):
-            device = next(i for i in range(torch.cuda.device_count())
-                          if str(torch.cuda.get_device_properties(i).uuid) == device)
-        return original(*args[:6], device, *args[7:])
-
-    reductions.rebuild_cuda_tensor = rebuild
-
-
 def _receive(rank: int, world_size: int, payloads: list[str]) -> dict:
-    from tests.unit.test_sglang_ipc import SGLangUnpickler
+    from tests.sglang_reader import SGLangUnpickler, map_device_uuids
 
-    _map_device_uuids()
+    map_device_uuids()
     sums, devices, started = {}, set(), time.perf_counter()
     for payload in payloads:
         unpickler = SGLangUnpickler(base64.b64decode(payload))
