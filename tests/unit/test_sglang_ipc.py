@@ -12,7 +12,7 @@ import torch
 
 from miles_core.sglang_ipc import ALIGN_BYTES, flatten_bucket, send_weights_over_cuda_ipc, serialize_bucket
 from tests.sglang_reader import SGLangUnpickler, read_as_sglang
-from tests.unit.test_sglang_shapes import UPDATE_OK, FakeSGLang
+from tests.unit.test_sglang_shapes import UPDATE_OK
 
 
 def weights() -> dict[str, torch.Tensor]:
@@ -40,14 +40,6 @@ def test_the_payload_asks_only_for_globals_both_sglang_versions_admit():
     unpickler.load()
     assert ("types", "SimpleNamespace") in unpickler.globals  # no SGLang class: nothing to import on the trainer
     assert not any(module.startswith("miles_core") for module, _ in unpickler.globals)
-
-
-@pytest.fixture
-def fake():
-    server = FakeSGLang()
-    yield server
-    server.server.shutdown()
-    server.server.server_close()
 
 
 def test_a_sync_sends_every_bucket_in_one_session_and_flushes_once(fake):

@@ -92,14 +92,6 @@ class FakeSGLang:
 
 
 @pytest.fixture
-def fake():
-    server = FakeSGLang()
-    yield server
-    server.server.shutdown()
-    server.server.server_close()
-
-
-@pytest.fixture
 def client(fake):
     return SGLangClient(fake.url, timeout_seconds=5, retries=2, backoff_seconds=0.01)
 
