@@ -49,8 +49,8 @@ def flatten_bucket(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) ->
 
 
 def serialize_bucket(flat: torch.Tensor, entries: list) -> str:
-    """The base64 payload SGLang deserializes for one TP rank. Serialize once per engine: each
-    dump registers its own reference to the buffer with torch's CUDA IPC bookkeeping."""
+    """The base64 payload SGLang deserializes for one TP rank. One payload per engine: SGLang
+    reads each payload once, as torch's producer-side CUDA IPC reference counting expects."""
     stream = io.BytesIO()
     pickler = ForkingPickler(stream)
     pickler.dispatch_table[torch.Tensor] = _reduce_with_device_uuid
