@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
-import math
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 
@@ -26,26 +25,25 @@ import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
 from miles_core.rollout.sglang_client import SGLangClient
+from miles_core.shared_weights import flat_layout
 from miles_core.weight_layout import checkpoint_layout
 from miles_core.weights import bucket_names
 
-ALIGN_BYTES = 256  # every tensor starts on a 256-byte boundary: SGLang views each slice as its dtype
 _DEVICE_ARG = 6  # torch's reduce_tensor(cuda tensor) args: (type, size, stride, offset, storage type, dtype, device, ...)
 
 
 def flatten_bucket(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[torch.Tensor, list]:
-    """One uint8 buffer on the tensors' device holding each tensor cast to dtype (one fused
-    multi-tensor copy), and SGLang's metadata entry for each."""
-    entries, offset = [], 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * dtype.itemsize
-        entries.append(SimpleNamespace(name=name, shape=torch.Size(tensor.shape), dtype=dtype,
-                                       start_idx=offset, end_idx=offset + nbytes, numel=nbytes))
-        offset += math.ceil(nbytes / ALIGN_BYTES) * ALIGN_BYTES
-    flat = torch.empty(offset, dtype=torch.uint8, device=named[0][1].device)
-    views = [flat[e.start_idx : e.end_idx].view(dtype).view(e.shape) for e in entries]
-    torch._foreach_copy_(views, [tensor for _, tensor in named])
-    return flat, entries
+    """One buffer on the tensors' device holding each tensor cast to dtype (shared_weights' flat
+    layout, one fused multi-tensor copy), as SGLang's uint8 bucket, and SGLang's metadata entry
+    (byte offsets) for each."""
+    entries, numel = flat_layout({name: tuple(tensor.shape) for name, tensor in named})
+    flat = torch.empty(numel, dtype=dtype, device=named[0][1].device)
+    torch._foreach_copy_([flat[e.offset : e.offset + e.numel].view(e.shape) for e in entries],
+                         [tensor for _, tensor in named])
+    size = dtype.itemsize
+    metadata = [SimpleNamespace(name=e.name, shape=torch.Size(e.shape), dtype=dtype, start_idx=e.offset * size,
+                                end_idx=(e.offset + e.numel) * size, numel=e.numel * size) for e in entries]
+    return flat.view(torch.uint8), metadata
 
 
 def serialize_bucket(flat: torch.Tensor, entries: list) -> str:

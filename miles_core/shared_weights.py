@@ -49,7 +49,9 @@ class BufferHandle:
     """(rebuild function, args) of torch's CUDA IPC reduction of a GPU buffer."""
 
 
-def _layout(shapes: dict[str, tuple[int, ...]]) -> tuple[tuple[Entry, ...], int]:
+def flat_layout(shapes: dict[str, tuple[int, ...]]) -> tuple[tuple[Entry, ...], int]:
+    """Each named shape's place in one flat buffer (every tensor aligned to ALIGN_ELEMENTS), and
+    the buffer's length in elements."""
     entries, offset = [], 0
     for name, shape in shapes.items():
         entries.append(Entry(name, tuple(shape), offset))
@@ -67,7 +69,7 @@ class SharedWeights:
     @classmethod
     def create(cls, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> SharedWeights:
         """The trainer's side: a buffer on the weights' device, laid out for these names and shapes."""
-        entries, numel = _layout({name: tuple(t.shape) for name, t in weights.items()})
+        entries, numel = flat_layout({name: tuple(t.shape) for name, t in weights.items()})
         device = next(iter(weights.values())).device
         dtype_name = str(dtype).removeprefix("torch.")
         if device.type == "cuda":

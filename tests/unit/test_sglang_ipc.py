@@ -10,7 +10,8 @@ import base64
 import pytest
 import torch
 
-from miles_core.sglang_ipc import ALIGN_BYTES, flatten_bucket, send_weights_over_cuda_ipc, serialize_bucket
+from miles_core.sglang_ipc import flatten_bucket, send_weights_over_cuda_ipc, serialize_bucket
+from miles_core.shared_weights import ALIGN_ELEMENTS
 from tests.sglang_reader import SGLangUnpickler, read_as_sglang
 from tests.unit.test_sglang_shapes import UPDATE_OK
 
@@ -26,7 +27,7 @@ def weights() -> dict[str, torch.Tensor]:
 def test_a_bucket_read_as_sglang_reads_it_gives_each_weight_cast_to_the_engine_dtype():
     named = list(weights().items())
     flat, entries = flatten_bucket(named, torch.bfloat16)
-    assert all(e.start_idx % ALIGN_BYTES == 0 for e in entries)  # each slice can be viewed as its dtype
+    assert all(e.start_idx % (ALIGN_ELEMENTS * 2) == 0 for e in entries)  # each slice can be viewed as its dtype
     got = read_as_sglang(serialize_bucket(flat, entries))
     assert [name for name, _ in got] == [name for name, _ in named]
     for (_, tensor), (_, received) in zip(named, got):
