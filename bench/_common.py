@@ -195,15 +195,24 @@ def copy_floor_seconds(model_dir: Path, engine_dtype: str) -> float:
     from safetensors.torch import load_file
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    source = [t.to(device, torch.float32) for t in load_file(str(model_dir / "model.safetensors")).values()]
+    return foreach_copy_seconds([t.to(device, torch.float32) for t in load_file(str(model_dir / "model.safetensors")).values()],
+                                engine_dtype)
+
+
+def foreach_copy_seconds(source: list, engine_dtype: str) -> float:
+    """Median time of one `torch._foreach_copy_` of `source` into new tensors of engine_dtype on
+    the same device (10 copies, the first two not counted)."""
+    import torch
+
     target = [torch.empty_like(t, dtype=getattr(torch, engine_dtype)) for t in source]
+    cuda = source[0].is_cuda
     seconds = []
     for _ in range(10):
-        if device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
         torch._foreach_copy_(target, source)
-        if device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
     return median(seconds[2:])

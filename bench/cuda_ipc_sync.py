@@ -2,11 +2,12 @@
 
     python bench/cuda_ipc_sync.py [--bucket-megabytes 512] [--syncs 6] [--layers 28]
 
-The sender is miles_core.sglang_ipc as the trainer runs it: per bucket, one fused cast-copy of
-the fp32 weights into a bf16 buffer and a dump of its CUDA IPC handle. The receiver is a second
-process that reads each payload as SGLang does (tests/sglang_reader.py: its unpickler's
-allow-list, GPU-UUID devices, the flattened-bucket slicing) and copies every weight into its own
-bf16 parameter, where SGLang's load_weights ends. SGLang itself is not here: its loader's own work
+The sender is the trainer's own, miles_core.sglang_ipc.send_weights_over_cuda_ipc: per bucket,
+one fused cast-copy of the fp32 weights into a bf16 buffer and a POST of its CUDA IPC handle. The
+receiver is a second process serving SGLang's weight-update routes on loopback: it reads each
+payload as SGLang does (tests/sglang_reader.py: its unpickler's allow-list, GPU-UUID devices, the
+flattened-bucket slicing) and copies every weight into its own bf16 parameter, where SGLang's
+load_weights ends. SGLang itself is not here: its loader's own work
 (name mapping, fused qkv / gate_up writes) comes on top. The floor is one torch._foreach_copy_ of
 the same fp32 weights into bf16 tensors in this process. Prints one JSON line: the median sync
 over the syncs after the first (which opens the IPC handles), the floor, and sync / floor. GPU only.
@@ -18,27 +19,48 @@ import argparse
 import json
 import sys
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, log, median, rounded, setup_env
+from _common import QWEN3_06B_SHAPE, foreach_copy_seconds, log, median, rounded, setup_env
 
 
-def receive(conn, shapes: dict[str, tuple[int, ...]]) -> None:
-    """The engine's side: bf16 parameters, refilled from each bucket's payloads; at the end
-    (None) it answers with the sum of its weights."""
+def serve(conn, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The engine's side: bf16 parameters, refilled from each /update_weights_from_tensor; sends
+    its port, then, when told to stop, the sum of its weights."""
+    import threading
+
     import torch
 
     from tests.sglang_reader import map_device_uuids, read_as_sglang
 
     map_device_uuids()
     params = {name: torch.empty(shape, dtype=torch.bfloat16, device="cuda") for name, shape in shapes.items()}
-    while (payloads := conn.recv()) is not None:
-        for payload in payloads:
-            for name, tensor in read_as_sglang(payload):
-                params[name].copy_(tensor)
-        torch.cuda.synchronize()
-        conn.send(True)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/update_weights_from_tensor":
+                for payload in body["serialized_named_tensors"]:
+                    for name, tensor in read_as_sglang(payload):
+                        params[name].copy_(tensor)
+                torch.cuda.synchronize()
+            answer = json.dumps({"success": True, "message": "ok"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    conn.send(server.server_address[1])
+    conn.recv()
+    server.shutdown()
     conn.send(sum(float(p.float().sum()) for p in params.values()))
 
 
@@ -53,33 +75,26 @@ def main() -> None:
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from miles_core.sglang_ipc import flatten_bucket, serialize_bucket
-    from miles_core.weights import bucket_names
+    from miles_core.sglang_ipc import send_weights_over_cuda_ipc
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/cuda_ipc_sync.py needs a GPU")
     config = Qwen3Config(**{**QWEN3_06B_SHAPE, "num_hidden_layers": args.layers})
     state = {k: v for k, v in AutoModelForCausalLM.from_config(config).cuda().state_dict().items()
              if k != "lm_head.weight"}  # tied: the engine loads the embedding once
-    bucket_bytes, nbytes = args.bucket_megabytes << 20, sum(t.numel() * 2 for t in state.values())
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    engine = ctx.Process(target=receive, args=(theirs, {k: tuple(v.shape) for k, v in state.items()}))
+    engine = ctx.Process(target=serve, args=(theirs, {k: tuple(v.shape) for k, v in state.items()}))
     engine.start()
     seconds = []
     try:
+        url = f"http://127.0.0.1:{ours.recv()}"
         for sync in range(args.syncs):
             torch.cuda.synchronize()
             started = time.perf_counter()
-            buffers = []
-            for names in bucket_names(state, bucket_bytes, torch.bfloat16):
-                flat, entries = flatten_bucket([(n, state[n]) for n in names], torch.bfloat16)
-                torch.cuda.current_stream().synchronize()
-                buffers.append(flat)  # held until the engine answers, as the sender holds it
-                ours.send([serialize_bucket(flat, entries)])
-                ours.recv()
+            sent = send_weights_over_cuda_ipc(state, [url], str(sync), args.bucket_megabytes << 20, torch.bfloat16)
             seconds.append(time.perf_counter() - started)
-            log(f"sync {sync}: {seconds[-1] * 1e3:.1f} ms ({len(buffers)} buckets, {nbytes / 2**20:.0f} MiB bf16)")
+            log(f"sync {sync}: {seconds[-1] * 1e3:.1f} ms ({sent / 2**20:.0f} MiB bf16)")
         ours.send(None)
         received = ours.recv()
     finally:
@@ -89,18 +104,9 @@ def main() -> None:
     expected = sum(float(t.to(torch.bfloat16).float().sum()) for t in state.values())
     if abs(received - expected) > 1e-3 * max(1.0, abs(expected)):
         raise SystemExit(f"the engine's weights differ from the trainer's: sum {received} vs {expected}")
-    source = list(state.values())
-    target = [torch.empty_like(t, dtype=torch.bfloat16) for t in source]
-    floor = []
-    for _ in range(10):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        torch._foreach_copy_(target, source)
-        torch.cuda.synchronize()
-        floor.append(time.perf_counter() - started)
-    sync_s, floor_s = median(seconds[1:]), median(floor[2:])
+    sync_s, floor_s = median(seconds[1:]), foreach_copy_seconds(list(state.values()), "bfloat16")
     print(json.dumps(rounded({"bench": "cuda_ipc_sync", "device": torch.cuda.get_device_name(),
-                              "weights_mib_bf16": nbytes / 2**20, "bucket_megabytes": args.bucket_megabytes,
+                              "weights_mib_bf16": sent / 2**20, "bucket_megabytes": args.bucket_megabytes,
                               "sync_s": sync_s, "first_sync_s": seconds[0], "copy_floor_s": floor_s,
                               "sync_over_floor": sync_s / floor_s})))
 
