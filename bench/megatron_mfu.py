@@ -2,8 +2,8 @@
 FSDP2 / HF+SDPA path, same random Qwen3-0.6B-shaped model, same GPU, same run.
 
     python bench/megatron_mfu.py [--batch 8 16 24] [--seq 2048] [--steps 10] [--warmup 3] [--layers 28]
-                                 [--no-compile] [--static-shapes] [--sdpa {default,cudnn}] [--sweep] [--rope-per-layer]
-                                 [--profile] [--foreach-adamw-row] [--out DIR] [--time-budget S]
+                                 [--no-compile] [--static-shapes] [--sdpa {default,cudnn}] [--sweep]
+                                 [--rope-per-layer] [--profile] [--foreach-adamw-row] [--out DIR] [--time-budget S]
 
 One step = forward + token log-probs of every next token (the trainers' loss path: Megatron
 through forward_logits + next_token_logprobs, HF through fsdp.causal_lm_logprobs, both the
@@ -11,9 +11,9 @@ fused vocab-parallel log-prob of miles_core/training/logprobs.py, torch.compile'
 CUDA, over bf16 logits) + backward + grad clip + AdamW (fused, as the trainers run it on GPU).
 Parameters and optimizer state are bf16 on both sides. Decoder layers are torch.compile'd on both
 sides unless --no-compile (what training.compile_decoder_layers turns on in the trainers). As in
-the trainers, the first batch size compiles static graphs and the next one a batch-dynamic graph that later sizes reuse;
---static-shapes compiles one static graph per size instead (faster kernels for Megatron, one
-compile per shape). The two backends alternate per batch size; a batch size that does not fit
+the trainers, the first batch size compiles static graphs and the next one a batch-dynamic graph
+that later sizes reuse; --static-shapes compiles one static graph per size instead (faster kernels
+for Megatron, one compile per shape). The two backends alternate per batch size; a batch size that does not fit
 is reported as {"oom": true}.
 
 tokens/s counts batch * seq per step; MFU = 6 * params * tokens/s / 989e12 (H200 bf16 dense

@@ -127,14 +127,20 @@ def _credentials(sd: Path) -> dict[str, str]:
             "AWS_SECRET_ACCESS_KEY": secrets.token_urlsafe(30), "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (one still exiting counts)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _cmdline(pid: int) -> list[str] | None:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-            return None
-    except (OSError, psutil.Error):
+    except OSError:
         return None
-    return raw.decode(errors="replace").rstrip("\0").split("\0") if raw else None
+    return raw.decode(errors="replace").rstrip("\0").split("\0") if raw and _alive(pid) else None
 
 
 def _runs(cmdline: list[str] | None, cmd: list[str]) -> bool:
@@ -157,9 +163,9 @@ def _session_members(sid: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if os.getsid(int(entry.name)) == sid and psutil.Process(int(entry.name)).status() != psutil.STATUS_ZOMBIE:
+                if os.getsid(int(entry.name)) == sid and _alive(int(entry.name)):
                     members.append(int(entry.name))
-            except (OSError, psutil.Error):
+            except OSError:
                 continue
     return members
 

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.e2e
 PREFECT = str(Path(sys.executable).parent / "prefect")
 TINY = ["warmup.sft_steps=50", "checkpoint.interval_steps=4", "rollout.num_prompts_per_step=16",
         "rollout.num_samples_per_prompt=4"]
-POLL_FOR_RUNS = ("PREFECT_WORKER_QUERY_SECONDS", "1")  # workers pick a run up within 1 s, not Prefect's 10
+WORKER_POLL_SECONDS = "1"  # workers pick a run up within 1 s, not Prefect's 10
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +47,12 @@ def deployed(tmp_path_factory):
     worker = None
     try:
         with pytest.MonkeyPatch.context() as patch:  # the stack's worker inherits it
-            patch.setenv(*POLL_FOR_RUNS)
+            patch.setenv("PREFECT_WORKER_QUERY_SECONDS", WORKER_POLL_SECONDS)
             info = stack.start_stack(state_dir, ray_num_cpus=3, timeout=240)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "AWS_"))}
         env |= info.env | {"PREFECT_HOME": str(state_dir / "prefect"), "MILES_PROJECT_DIR": str(project),
-                           "PYTHONPATH": str(REPO), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-        env |= dict([POLL_FOR_RUNS])
+                           "PYTHONPATH": str(REPO), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                           "PREFECT_WORKER_QUERY_SECONDS": WORKER_POLL_SECONDS}
         cli(env, project, "work-pool", "create", "gpu-cluster", "--type", "process", "--overwrite")
         log = open(root / "gpu-worker.log", "w")
         worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "gpu-cluster", "--type", "process",
