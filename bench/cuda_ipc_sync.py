@@ -1,16 +1,19 @@
 """The cuda_ipc weight transport's hand-over against the copy floor, on one GPU, in one run.
 
-    python bench/cuda_ipc_sync.py [--bucket-megabytes 512] [--syncs 6] [--layers 28]
+    python bench/cuda_ipc_sync.py [--bucket-megabytes 512] [--syncs 6] [--layers 28] [--http10]
 
 The sender is the trainer's own, miles_core.sglang_ipc.send_weights_over_cuda_ipc: per bucket,
 one fused cast-copy of the fp32 weights into a bf16 buffer and a POST of its CUDA IPC handle. The
 receiver is a second process serving SGLang's weight-update routes on loopback: it reads each
 payload as SGLang does (tests/sglang_reader.py: its unpickler's allow-list, GPU-UUID devices, the
 flattened-bucket slicing) and copies every weight into its own bf16 parameter, where SGLang's
-load_weights ends. SGLang itself is not here: its loader's own work
+load_weights ends. Like SGLang's server (uvicorn), it keeps HTTP/1.1 connections alive;
+`--http10` closes each one, as a plain http.server does. SGLang itself is not here: its loader's own work
 (name mapping, fused qkv / gate_up writes) comes on top. The floor is one torch._foreach_copy_ of
 the same fp32 weights into bf16 tensors in this process. Prints one JSON line: the median sync
-over the syncs after the first (which opens the IPC handles), the floor, and sync / floor. GPU only.
+over the syncs after the first (which opens the IPC handles), the floor, and sync / floor, with the
+split: the receiver's time reading payloads (unpickling opens the IPC handles) and copying, and
+one HTTP round trip to it. GPU only.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import QWEN3_06B_SHAPE, foreach_copy_seconds, log, median, rounded, setup_env
 
 
-def serve(conn, shapes: dict[str, tuple[int, ...]]) -> None:
+def serve(conn, shapes: dict[str, tuple[int, ...]], keep_alive: bool) -> None:
     """The engine's side: bf16 parameters, refilled from each /update_weights_from_tensor; sends
-    its port, then, when told to stop, the sum of its weights."""
+    its port, then, when told to stop, the sum of its weights and its seconds per update
+    (reading payloads, copying)."""
     import threading
 
     import torch
@@ -37,15 +41,23 @@ def serve(conn, shapes: dict[str, tuple[int, ...]]) -> None:
 
     map_device_uuids()
     params = {name: torch.empty(shape, dtype=torch.bfloat16, device="cuda") for name, shape in shapes.items()}
+    updates = []  # (read seconds, copy seconds) per update
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+        disable_nagle_algorithm = True  # as uvicorn's asyncio transports do (TCP_NODELAY)
+
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path == "/update_weights_from_tensor":
-                for payload in body["serialized_named_tensors"]:
-                    for name, tensor in read_as_sglang(payload):
-                        params[name].copy_(tensor)
+                started = time.perf_counter()
+                named = [pair for payload in body["serialized_named_tensors"] for pair in read_as_sglang(payload)]
+                read = time.perf_counter()
+                for name, tensor in named:
+                    params[name].copy_(tensor)
                 torch.cuda.synchronize()
+                updates.append((read - started, time.perf_counter() - read))
+                del named
             answer = json.dumps({"success": True, "message": "ok"}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -61,7 +73,7 @@ def serve(conn, shapes: dict[str, tuple[int, ...]]) -> None:
     conn.send(server.server_address[1])
     conn.recv()
     server.shutdown()
-    conn.send(sum(float(p.float().sum()) for p in params.values()))
+    conn.send((sum(float(p.float().sum()) for p in params.values()), updates))
 
 
 def main() -> None:
@@ -69,12 +81,14 @@ def main() -> None:
     parser.add_argument("--bucket-megabytes", type=int, default=512)
     parser.add_argument("--syncs", type=int, default=6)
     parser.add_argument("--layers", type=int, default=QWEN3_06B_SHAPE["num_hidden_layers"])
+    parser.add_argument("--http10", action="store_true", help="the receiver closes every connection (HTTP/1.0)")
     args = parser.parse_args()
     setup_env()
     import torch
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    from miles_core.rollout.sglang_client import SGLangClient
     from miles_core.sglang_ipc import send_weights_over_cuda_ipc
 
     if not torch.cuda.is_available():
@@ -84,7 +98,8 @@ def main() -> None:
              if k != "lm_head.weight"}  # tied: the engine loads the embedding once
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    engine = ctx.Process(target=serve, args=(theirs, {k: tuple(v.shape) for k, v in state.items()}))
+    engine = ctx.Process(target=serve, args=(theirs, {k: tuple(v.shape) for k, v in state.items()},
+                                                         not args.http10))
     engine.start()
     seconds = []
     try:
@@ -95,8 +110,10 @@ def main() -> None:
             sent = send_weights_over_cuda_ipc(state, [url], str(sync), args.bucket_megabytes << 20, torch.bfloat16)
             seconds.append(time.perf_counter() - started)
             log(f"sync {sync}: {seconds[-1] * 1e3:.1f} ms ({sent / 2**20:.0f} MiB bf16)")
+        round_trip_s = http_round_trip_seconds(SGLangClient(url))
+        sender_split = sender_seconds(state, args.bucket_megabytes << 20)
         ours.send(None)
-        received = ours.recv()
+        received, updates = ours.recv()
     finally:
         engine.join(timeout=60)
         if engine.is_alive():
@@ -105,10 +122,49 @@ def main() -> None:
     if abs(received - expected) > 1e-3 * max(1.0, abs(expected)):
         raise SystemExit(f"the engine's weights differ from the trainer's: sum {received} vs {expected}")
     sync_s, floor_s = median(seconds[1:]), foreach_copy_seconds(list(state.values()), "bfloat16")
+    per_sync = len(updates) // args.syncs  # updates (buckets) per sync
+    later = updates[per_sync:]
     print(json.dumps(rounded({"bench": "cuda_ipc_sync", "device": torch.cuda.get_device_name(),
                               "weights_mib_bf16": sent / 2**20, "bucket_megabytes": args.bucket_megabytes,
-                              "sync_s": sync_s, "first_sync_s": seconds[0], "copy_floor_s": floor_s,
-                              "sync_over_floor": sync_s / floor_s})))
+                              "keep_alive": not args.http10, "sync_s": sync_s, "first_sync_s": seconds[0],
+                              "copy_floor_s": floor_s, "sync_over_floor": sync_s / floor_s,
+                              "requests_per_sync": per_sync + 2, "http_round_trip_s": round_trip_s,
+                              "receiver_read_s_per_sync": per_sync * median(r for r, _ in later),
+                              "receiver_copy_s_per_sync": per_sync * median(c for _, c in later),
+                              **sender_split}, 5)))
+
+
+def sender_seconds(state, bucket_bytes: int, repeats: int = 5) -> dict[str, float]:
+    """The sender's own work per sync, no engine: casting each bucket (until the GPU is done) and
+    serializing its IPC handle (medians over repeats)."""
+    import torch
+
+    from miles_core.sglang_ipc import flatten_bucket, serialize_bucket
+    from miles_core.weights import bucket_names
+
+    cast, serialize = [], []
+    for _ in range(repeats):
+        cast.append(0.0)
+        serialize.append(0.0)
+        for names in bucket_names(state, bucket_bytes, torch.bfloat16):
+            started = time.perf_counter()
+            flat, entries = flatten_bucket([(name, state[name]) for name in names], torch.bfloat16)
+            torch.cuda.synchronize()
+            cast[-1] += time.perf_counter() - started
+            started = time.perf_counter()
+            serialize_bucket(flat, entries)
+            serialize[-1] += time.perf_counter() - started
+    return {"sender_cast_s_per_sync": median(cast[1:]), "sender_serialize_s_per_sync": median(serialize[1:])}
+
+
+def http_round_trip_seconds(client, repeats: int = 20) -> float:
+    """Median time of one control request (a POST the receiver answers at once), on one client."""
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        client._post_result("/end_weight_update", {})
+        seconds.append(time.perf_counter() - started)
+    return median(seconds[2:])
 
 
 if __name__ == "__main__":
