@@ -135,25 +135,28 @@ def main() -> None:
 
 
 def sender_seconds(state, bucket_bytes: int, repeats: int = 5) -> dict[str, float]:
-    """The sender's own work per sync, no engine: casting each bucket (until the GPU is done) and
-    serializing its IPC handle (medians over repeats)."""
+    """The sender's own work per sync, no engine: casting each bucket (until the GPU is done),
+    then serializing its IPC handle (medians over repeats). Casts and serializations are timed in
+    separate passes: a buffer whose handle no engine reads stays allocated (torch keeps shared
+    blocks until the reader lets go), so a cast after one would time a fresh cudaMalloc."""
     import torch
 
     from miles_core.sglang_ipc import flatten_bucket, serialize_bucket
     from miles_core.weights import bucket_names
 
+    buckets = [[(name, state[name]) for name in names] for names in bucket_names(state, bucket_bytes, torch.bfloat16)]
     cast, serialize = [], []
-    for _ in range(repeats):
-        cast.append(0.0)
-        serialize.append(0.0)
-        for names in bucket_names(state, bucket_bytes, torch.bfloat16):
+    for shared in [False] * repeats + [True] * repeats:
+        seconds = 0.0
+        for named in buckets:
             started = time.perf_counter()
-            flat, entries = flatten_bucket([(name, state[name]) for name in names], torch.bfloat16)
+            flat, entries = flatten_bucket(named, torch.bfloat16)
             torch.cuda.synchronize()
-            cast[-1] += time.perf_counter() - started
-            started = time.perf_counter()
-            serialize_bucket(flat, entries)
-            serialize[-1] += time.perf_counter() - started
+            if shared:
+                started = time.perf_counter()
+                serialize_bucket(flat, entries)
+            seconds += time.perf_counter() - started
+        (serialize if shared else cast).append(seconds)
     return {"sender_cast_s_per_sync": median(cast[1:]), "sender_serialize_s_per_sync": median(serialize[1:])}
 
 
