@@ -92,9 +92,11 @@ def run_training(spec: TrainSpec, on_step: Callable[[LoopState], None] | None = 
     mlflow = tracking.MetricsLogger(spec.mlflow_uri, spec.mlflow_run_id) if spec.mlflow_run_id else None
     progress = ProgressLog(cfg)
 
-    def checkpointed(step: int) -> None:
+    def flush_metrics(step: int) -> None:
         if mlflow:
             mlflow.flush()
+
+    def checkpointed(step: int) -> None:
         log.info("checkpoint at step %d", step)
         if uploader is not None:
             uploader.submit(step, Path(spec.run_dir, "checkpoints", ckpt.step_dir_name(step)))
@@ -109,7 +111,7 @@ def run_training(spec: TrainSpec, on_step: Callable[[LoopState], None] | None = 
         progress.step(state)
         _call(on_step, state)
 
-    hooks = RunHooks(on_metrics=logged, on_checkpoint=checkpointed, on_step=stepped)
+    hooks = RunHooks(on_metrics=logged, before_checkpoint=flush_metrics, on_checkpoint=checkpointed, on_step=stepped)
     try:
         with tracking.system_metrics(spec.mlflow_uri, spec.mlflow_run_id, cfg.tracking.system_metrics_interval_seconds):
             run = TrainingRun.open(cfg, spec.run_dir, spec.model_dir, spec.train_path, eval_path=spec.eval_path,

@@ -180,6 +180,7 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
             checkpoint_due = state.step % cfg.checkpoint.interval_steps == 0 or state.step == cfg.training.num_steps
             record_evals(wait=checkpoint_due)  # an eval becomes durable with the checkpoint after its step
             if checkpoint_due:
+                run.hooks.before_checkpoint(state.step)
                 run.save(state, batch.cursor)
                 run.hooks.on_checkpoint(state.step)
             run.hooks.on_step(state)

@@ -37,6 +37,9 @@ class RunHooks:
     """Where a run reports: metrics per step, each durable checkpoint, each finished step."""
 
     on_metrics: MetricsFn = _noop
+    before_checkpoint: Callable[[int], None] = _noop
+    """Called with the step before its checkpoint is written: a resume never recomputes the
+    steps a complete checkpoint covers, so what must outlive them goes out here."""
     on_checkpoint: Callable[[int], None] = _noop
     on_step: Callable[[Any], None] = _noop
     """Called with the LoopState after every step (progress displays, stall detection)."""

@@ -148,10 +148,13 @@ def system_metrics(uri: str | None, run_id: str | None, interval_seconds: float)
 
 
 class MetricsLogger:
-    """Buffers per-step metrics and writes them when the step is durable (checkpointed).
+    """Buffers per-step metrics and writes them before each checkpoint is written.
 
+    A complete checkpoint's steps are then in MLflow, since a resume never recomputes them.
     Steps at or below the highest step already in MLflow are skipped, so a resumed attempt
-    that recomputes steps never writes them twice and never leaves a gap.
+    that recomputes steps (a kill between the flush and a complete checkpoint) never writes
+    them twice and never leaves a gap. Buffering until then lets a periodic evaluation that
+    finishes a few steps late still land at its own step.
     """
 
     def __init__(self, uri: str, run_id: str, probe_metric: str = "time/step_seconds"):

@@ -62,3 +62,37 @@ def test_same_seed_twice_gives_the_same_numbers(ray_local, tmp_path, warm_tiny):
 
     first, second = numbers(tmp_path / "a"), numbers(tmp_path / "b")
     assert first == second and len({h["rollout/reward_mean"] for h in first}) > 1
+
+
+def test_a_driver_killed_once_its_checkpoint_is_complete_loses_no_metrics(ray_local, tmp_path, warm_tiny,
+                                                                            monkeypatch):
+    # A resume never recomputes the steps a complete checkpoint covers, so their metrics must
+    # be in MLflow before the checkpoint is: a kill right after it completes loses nothing.
+    from mlflow.tracking import MlflowClient
+
+    from miles_core import checkpoint
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("resume")).info.run_id
+    write_checkpoint = checkpoint.write_checkpoint
+
+    class Killed(BaseException):  # what the driver's own except clauses cannot swallow
+        pass
+
+    def killed_once_complete(checkpoints_dir, step, *args):
+        write_checkpoint(checkpoints_dir, step, *args)
+        raise Killed(f"killed once step {step} is complete")
+
+    def spec(num_steps):
+        return spec_for(tmp_path, warm_tiny["warm"], tmp_path / "run", num_steps).model_copy(
+            update={"mlflow_uri": uri, "mlflow_run_id": run_id})
+
+    monkeypatch.setattr(checkpoint, "write_checkpoint", killed_once_complete)
+    with pytest.raises(Killed):
+        run_training(spec(4))
+    monkeypatch.setattr(checkpoint, "write_checkpoint", write_checkpoint)
+    resumed = run_training(spec(4))
+    assert resumed.resumed_from_step == 2
+    steps = [m.step for m in client.get_metric_history(run_id, "time/step_seconds")]
+    assert sorted(steps) == [1, 2, 3, 4]
