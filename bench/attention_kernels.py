@@ -1,0 +1,148 @@
+"""Causal GQA attention, forward + backward, per kernel at the trainers' shape (Qwen3-0.6B: 16
+query heads, 8 KV heads, head_dim 128; batch 16 x seq 2048, bf16), all in one process:
+
+- `sdpa_default`: what the trainers run today (SDPA with torch's own backend choice);
+- `sdpa_flash`, `sdpa_cudnn`: SDPA held to one backend;
+- `sdpa_fa4`: SDPA's flash backend with FlashAttention-4 (flash-attn-4's CuTe DSL kernels)
+  activated in the dispatcher by torch.nn.attention.activate_flash_attention_impl("FA4");
+- `fa4_direct`: flash_attn.cute.flash_attn_func called on [b, s, h, d] tensors.
+
+Each kernel's output and q/k/v gradients are compared with sdpa_default's on the same inputs;
+a kernel that refuses the inputs, or is not installed, is reported with its error.
+
+    python bench/attention_kernels.py [--batch 16] [--seq 2048] [--iters 10]
+
+FA4 needs flash-attn-4 and nvidia-cutlass-dsl with its libs-base, libs-core and libs-cu13 (or
+-cu12) wheels, installed in one pip call: `pip --target` replaces a shared top-level folder
+per call. Outside site-packages its .pth is not read, so put
+nvidia_cutlass_dsl/dsl_packages on PYTHONPATH too.
+
+TFLOP/s counts causal attention as FlashAttention's papers do: forward 2 * b * h * s^2 * d
+(QK^T and PV, causal half), backward 2.5x the forward. The last stdout line is one JSON object
+with per-kernel ms and `ratio_vs_default` (sdpa_default ms / kernel ms). GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def timed(run, iters: int) -> float:
+    import torch
+
+    for _ in range(3):  # JIT compilation and autotuning happen here
+        run()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / iters * 1e3
+
+
+def sdpa_kernel_run(q, k, v, grad, backends=None):
+    """SDPA held to `backends` (None: torch's own choice, as the trainers run it)."""
+    import contextlib
+
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    def run():
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.backward(grad)
+        return out
+    return run
+
+
+def fa4_direct_run(q, k, v, grad):
+    from flash_attn.cute import flash_attn_func
+
+    def run():
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        out = (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+        out.backward(grad)
+        return out
+    return run
+
+
+def compare(run, inputs, reference) -> float:
+    """Max abs difference of the output and the input gradients against the reference's."""
+    for t in inputs:
+        t.grad = None
+    out = run()
+    mine = [out.detach()] + [t.grad for t in inputs]
+    return max(float((a.float() - b.float()).abs().max()) for a, b in zip(mine, reference))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/attention_kernels.py needs a GPU")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def tensor(heads: int) -> torch.Tensor:
+        shape = (args.batch, heads, args.seq, args.head_dim)
+        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    q, k, v = tensor(args.heads), tensor(args.kv_heads), tensor(args.kv_heads)
+    grad = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    forward_flops = 2 * args.batch * args.heads * args.seq ** 2 * args.head_dim
+    # sdpa_fa4 last: activating FA4 swaps SDPA's flash kernel for the rest of the process.
+    kernels = {
+        "sdpa_default": lambda: sdpa_kernel_run(q, k, v, grad),
+        "sdpa_flash": lambda: sdpa_kernel_run(q, k, v, grad, [SDPBackend.FLASH_ATTENTION]),
+        "sdpa_cudnn": lambda: sdpa_kernel_run(q, k, v, grad, [SDPBackend.CUDNN_ATTENTION]),
+        "fa4_direct": lambda: fa4_direct_run(q, k, v, grad),
+        "sdpa_fa4": lambda: activated_fa4(sdpa_kernel_run(q, k, v, grad, [SDPBackend.FLASH_ATTENTION])),
+    }
+    reference_run = kernels["sdpa_default"]()
+    reference_out = reference_run()
+    reference = [reference_out.detach().clone()] + [t.grad.clone() for t in (q, k, v)]
+    rows: dict[str, dict] = {}
+    for name, make in kernels.items():
+        try:
+            run = make()
+            diff = compare(run, (q, k, v), reference)
+            ms = timed(run, args.iters)
+            rows[name] = {"fwd_bwd_ms": ms, "tflops": 3.5 * forward_flops / ms / 1e9, "max_abs_diff": diff}
+        except Exception as exc:  # noqa: BLE001 - a refused or missing kernel is a result
+            rows[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        log(f"{name}: {rows[name]}")
+    base = rows["sdpa_default"]["fwd_bwd_ms"]
+    for row in rows.values():
+        if "fwd_bwd_ms" in row:
+            row["ratio_vs_default"] = base / row["fwd_bwd_ms"]
+    summary = {"bench": "attention_kernels", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "shape": {"batch": args.batch, "seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads,
+                         "head_dim": args.head_dim}, "kernels": rows}
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def activated_fa4(run):
+    """FA4 in the dispatcher from here on: SDPA's flash backend then runs flash-attn-4's kernels."""
+    from torch.nn.attention import activate_flash_attention_impl
+
+    activate_flash_attention_impl("FA4")
+    return run
+
+
+if __name__ == "__main__":
+    main()
