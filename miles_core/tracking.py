@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -158,7 +160,7 @@ class MetricsLogger:
     """
 
     def __init__(self, uri: str, run_id: str, probe_metric: str = "time/step_seconds"):
-        self.client, self.run_id = client_for(uri), run_id
+        self.client, self.run_id, self.probe_metric = client_for(uri), run_id, probe_metric
         history = self.client.get_metric_history(run_id, probe_metric)
         self.logged_through = max((m.step for m in history), default=0)
         self.pending: list[Metric] = []
@@ -166,15 +168,29 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if step <= self.logged_through:
             return
-        now = int(1000 * __import__("time").time())
+        now = int(1000 * time.time())
         self.pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
 
     def flush(self) -> None:
-        for start in range(0, len(self.pending), 500):
-            self.client.log_batch(self.run_id, metrics=self.pending[start : start + 500])
+        for batch in self._batches():
+            self.client.log_batch(self.run_id, metrics=batch)
         if self.pending:
             self.logged_through = max(m.step for m in self.pending)
         self.pending = []
+
+    def _batches(self, limit: int = 500) -> list[list[Metric]]:
+        """The pending metrics in step order, each step's probe last, in batches of whole steps
+        (a step over `limit` is split): a kill between batches then leaves the probe's highest
+        step with all its metrics written, and a resume rewrites only steps that are not."""
+        ordered = sorted(self.pending, key=lambda m: (m.step, m.key == self.probe_metric))
+        batches: list[list[Metric]] = []
+        for _, step_metrics in itertools.groupby(ordered, key=lambda m: m.step):
+            group = list(step_metrics)
+            if batches and len(batches[-1]) + len(group) <= limit:
+                batches[-1].extend(group)
+            else:
+                batches.extend(group[start : start + limit] for start in range(0, len(group), limit))
+        return batches
 
 
 def log_eval(uri: str, run_id: str, phase: str, result: dict[str, Any], step: int) -> None:

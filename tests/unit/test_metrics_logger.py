@@ -1,0 +1,55 @@
+"""Per-step metrics reach MLflow exactly once across a kill, even one that cuts a flush short."""
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from miles_core.tracking import MetricsLogger
+
+PROBE = "time/step_seconds"
+NUM_KEYS = 300  # two steps of these do not fit one batch of 500
+
+
+def step_metrics(step: int) -> dict[str, float]:
+    # the probe first, as a dict built in any order may have it
+    return {PROBE: float(step), **{f"train/m{i:03d}": float(step * 1000 + i) for i in range(NUM_KEYS)}}
+
+
+@pytest.fixture()
+def run(tmp_path):
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    return client, client.create_run(client.create_experiment("metrics")).info.run_id
+
+
+def test_a_flush_killed_between_batches_leaves_no_step_half_written(run, monkeypatch):
+    client, run_id = run
+    uri = client.tracking_uri
+    logger = MetricsLogger(uri, run_id)
+    for step in (1, 2, 3):
+        logger.log(step, step_metrics(step))
+    log_batch, sent = logger.client.log_batch, []
+
+    def killed_after_one(run_id, metrics):
+        if sent:
+            raise KeyboardInterrupt("killed mid-flush")
+        sent.append(len(metrics))
+        log_batch(run_id, metrics=metrics)
+    monkeypatch.setattr(logger.client, "log_batch", killed_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        logger.flush()
+
+    resumed = MetricsLogger(uri, run_id)  # the retry: recomputes steps 1-3 and logs them
+    assert resumed.logged_through == 1
+    for step in (1, 2, 3):
+        resumed.log(step, step_metrics(step))
+    resumed.flush()
+    for key in (PROBE, "train/m000", f"train/m{NUM_KEYS - 1:03d}"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3], key
+
+
+def test_a_step_over_mlflows_batch_limit_is_written_whole(run):
+    client, run_id = run
+    logger = MetricsLogger(client.tracking_uri, run_id)
+    logger.log(1, {PROBE: 1.0, **{f"k{i:04d}": float(i) for i in range(1200)}})  # MLflow takes 1000 a batch
+    logger.flush()
+    assert MetricsLogger(client.tracking_uri, run_id).logged_through == 1
+    assert [m.value for m in client.get_metric_history(run_id, "k1199")] == [1199.0]
