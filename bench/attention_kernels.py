@@ -47,39 +47,77 @@ def timed(run, iters: int) -> float:
     return (time.perf_counter() - started) / iters * 1e3
 
 
-def sdpa_kernel_run(q, k, v, grad, backends=None):
+def fwd_bwd(attention, q, k, v, grad):
+    """One forward + backward into fresh gradients (no accumulation in the timed work)."""
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        out = attention(q, k, v)
+        out.backward(grad)
+        return out
+    return run
+
+
+def sdpa(backends=None):
     """SDPA held to `backends` (None: torch's own choice, as the trainers run it)."""
     import contextlib
 
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    def run():
+    def attention(q, k, v):
         with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        out.backward(grad)
-        return out
-    return run
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return attention
 
 
-def fa4_direct_run(q, k, v, grad):
+def fa4_direct(q, k, v):
     from flash_attn.cute import flash_attn_func
 
-    def run():
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-        out = (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
-        out.backward(grad)
-        return out
-    return run
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
 
 
-def compare(run, inputs, reference) -> float:
-    """Max abs difference of the output and the input gradients against the reference's."""
-    for t in inputs:
-        t.grad = None
-    out = run()
-    mine = [out.detach()] + [t.grad for t in inputs]
-    return max(float((a.float() - b.float()).abs().max()) for a, b in zip(mine, reference))
+def sdpa_fa4():
+    """FA4 in the dispatcher from here on: SDPA's flash backend then runs flash-attn-4's kernels."""
+    from torch.nn.attention import SDPBackend, activate_flash_attention_impl
+
+    activate_flash_attention_impl("FA4")
+    return sdpa([SDPBackend.FLASH_ATTENTION])
+
+
+def kernels() -> dict:
+    """name -> a maker of the attention function; sdpa_fa4 last, since activating FA4 swaps
+    SDPA's flash kernel for the rest of the process."""
+    from torch.nn.attention import SDPBackend
+
+    return {"sdpa_default": sdpa, "sdpa_flash": lambda: sdpa([SDPBackend.FLASH_ATTENTION]),
+            "sdpa_cudnn": lambda: sdpa([SDPBackend.CUDNN_ATTENTION]), "fa4_direct": lambda: fa4_direct,
+            "sdpa_fa4": sdpa_fa4}
+
+
+def measure(inputs, iters: int, forward_flops: float) -> dict[str, dict]:
+    """Per kernel: fwd+bwd ms, TFLOP/s and the max abs difference of output and input
+    gradients against sdpa_default's; a refused or missing kernel is reported by its error."""
+    q, k, v, _ = inputs
+    reference_out = fwd_bwd(sdpa(), *inputs)()
+    reference = [reference_out.detach().clone()] + [t.grad.clone() for t in (q, k, v)]
+    rows: dict[str, dict] = {}
+    for name, make in kernels().items():
+        try:
+            run = fwd_bwd(make(), *inputs)
+            out = run()
+            diff = max(float((a.float() - b.float()).abs().max())
+                       for a, b in zip([out.detach()] + [t.grad for t in (q, k, v)], reference))
+            ms = timed(run, iters)
+            rows[name] = {"fwd_bwd_ms": ms, "tflops": 3.5 * forward_flops / ms / 1e9, "max_abs_diff": diff}
+        except Exception as exc:  # noqa: BLE001 - a refused or missing kernel is a result
+            rows[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        log(f"{name}: {rows[name]}")
+    for row in rows.values():
+        if "fwd_bwd_ms" in row:
+            row["ratio_vs_default"] = rows["sdpa_default"]["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -89,59 +127,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args(argv)
     import torch
-    from torch.nn.attention import SDPBackend
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/attention_kernels.py needs a GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def tensor(heads: int) -> torch.Tensor:
+    def tensor(heads: int, grad: bool = True) -> torch.Tensor:
         shape = (args.batch, heads, args.seq, args.head_dim)
-        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    q, k, v = tensor(args.heads), tensor(args.kv_heads), tensor(args.kv_heads)
-    grad = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-    forward_flops = 2 * args.batch * args.heads * args.seq ** 2 * args.head_dim
-    # sdpa_fa4 last: activating FA4 swaps SDPA's flash kernel for the rest of the process.
-    kernels = {
-        "sdpa_default": lambda: sdpa_kernel_run(q, k, v, grad),
-        "sdpa_flash": lambda: sdpa_kernel_run(q, k, v, grad, [SDPBackend.FLASH_ATTENTION]),
-        "sdpa_cudnn": lambda: sdpa_kernel_run(q, k, v, grad, [SDPBackend.CUDNN_ATTENTION]),
-        "fa4_direct": lambda: fa4_direct_run(q, k, v, grad),
-        "sdpa_fa4": lambda: activated_fa4(sdpa_kernel_run(q, k, v, grad, [SDPBackend.FLASH_ATTENTION])),
-    }
-    reference_run = kernels["sdpa_default"]()
-    reference_out = reference_run()
-    reference = [reference_out.detach().clone()] + [t.grad.clone() for t in (q, k, v)]
-    rows: dict[str, dict] = {}
-    for name, make in kernels.items():
-        try:
-            run = make()
-            diff = compare(run, (q, k, v), reference)
-            ms = timed(run, args.iters)
-            rows[name] = {"fwd_bwd_ms": ms, "tflops": 3.5 * forward_flops / ms / 1e9, "max_abs_diff": diff}
-        except Exception as exc:  # noqa: BLE001 - a refused or missing kernel is a result
-            rows[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        log(f"{name}: {rows[name]}")
-    base = rows["sdpa_default"]["fwd_bwd_ms"]
-    for row in rows.values():
-        if "fwd_bwd_ms" in row:
-            row["ratio_vs_default"] = base / row["fwd_bwd_ms"]
+        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(grad)
+    inputs = (tensor(args.heads), tensor(args.kv_heads), tensor(args.kv_heads), tensor(args.heads, grad=False))
+    shape = {"batch": args.batch, "seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads,
+             "head_dim": args.head_dim}
+    rows = measure(inputs, args.iters, 2 * args.batch * args.heads * args.seq ** 2 * args.head_dim)
     summary = {"bench": "attention_kernels", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "shape": {"batch": args.batch, "seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads,
-                         "head_dim": args.head_dim}, "kernels": rows}
+               "shape": shape, "kernels": rows}
     print(json.dumps(summary), flush=True)
     return summary
-
-
-def activated_fa4(run):
-    """FA4 in the dispatcher from here on: SDPA's flash backend then runs flash-attn-4's kernels."""
-    from torch.nn.attention import activate_flash_attention_impl
-
-    activate_flash_attention_impl("FA4")
-    return run
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 It opens the TrainingRun (actors, engines, transport), resumes from the latest complete
 checkpoint, runs the loop, and exports the policy; with an MLflow run and an object store in
-the spec it also logs metrics as steps become durable and uploads each checkpoint in the
+the spec it also logs each step's metrics before the checkpoint that covers it, and uploads each checkpoint in the
 background. The flow's train task runs it inline, or as a Ray Job
 (`python -m miles_core.driver --spec SPEC.json ...`, see miles_core/ray_jobs.py); either way
 the same code logs and uploads, so a job that outlives its Prefect task loses nothing.
@@ -126,8 +126,6 @@ def run_training(spec: TrainSpec, on_step: Callable[[LoopState], None] | None = 
         if uploader is not None:  # a retry starts its own uploader; this one must not race it
             uploader.close()
         raise
-    if mlflow:
-        mlflow.flush()
     final = ckpt.latest_complete_checkpoint(run.checkpoints_dir)
     return TrainResult(steps=state.step, resumed_from_step=resumed_from, final_checkpoint_dir=str(final[1]),
                        hf_export_dir=str(export_dir), history=state.history, periodic_eval=state.periodic_eval,

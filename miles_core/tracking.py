@@ -13,6 +13,7 @@ from typing import Any
 import mlflow
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
+from mlflow.utils.validation import MAX_METRICS_PER_BATCH
 
 from miles_core.checkpoint import check_run_key
 from miles_core.config import RunConfig
@@ -178,10 +179,12 @@ class MetricsLogger:
             self.logged_through = max(m.step for m in self.pending)
         self.pending = []
 
-    def _batches(self, limit: int = 500) -> list[list[Metric]]:
+    def _batches(self, limit: int = MAX_METRICS_PER_BATCH) -> list[list[Metric]]:
         """The pending metrics in step order, each step's probe last, in batches of whole steps
-        (a step over `limit` is split): a kill between batches then leaves the probe's highest
-        step with all its metrics written, and a resume rewrites only steps that are not."""
+        (limit: MLflow's metrics per log_batch). A kill between batches then leaves the probe's
+        highest step with all its metrics written, and a resume rewrites only steps that are
+        not. A step over the limit is split, probe last: a kill between its pieces leaves the
+        step unlogged, and its first pieces are written again on resume."""
         ordered = sorted(self.pending, key=lambda m: (m.step, m.key == self.probe_metric))
         batches: list[list[Metric]] = []
         for _, step_metrics in itertools.groupby(ordered, key=lambda m: m.step):

@@ -42,7 +42,7 @@ def test_periodic_eval_scores_the_step_weights_and_is_durable_with_its_checkpoin
     # each step, so equal scores mean the eval saw this step's weights.
     cfg, heldout, result, events = run(tmp_path, warm_tiny["warm"], "run", overrides)
     assert [row["step"] for row in result.periodic_eval] == [2, 4]
-    # Each step's eval is handed to the metrics logger before that step's checkpoint flushes it.
+    # Each step's eval is handed to the metrics logger before it is flushed ahead of that step's checkpoint.
     assert events == [("eval", 2), ("checkpoint", 2), ("eval", 4), ("checkpoint", 4)]
     # Greedy decoding of the final weights: the in-training eval equals a fresh eval of the export.
     assert result.periodic_eval[-1][KEY] == pytest.approx(final_export_score(cfg, heldout, result), abs=1e-9)

@@ -6,12 +6,12 @@ from mlflow.tracking import MlflowClient
 from miles_core.tracking import MetricsLogger
 
 PROBE = "time/step_seconds"
-NUM_KEYS = 300  # two steps of these do not fit one batch of 500
+NUM_KEYS = 600  # two steps of these do not fit one MLflow batch (1000 metrics)
 
 
-def step_metrics(step: int) -> dict[str, float]:
+def step_metrics(step: int, num_keys: int = NUM_KEYS) -> dict[str, float]:
     # the probe first, as a dict built in any order may have it
-    return {PROBE: float(step), **{f"train/m{i:03d}": float(step * 1000 + i) for i in range(NUM_KEYS)}}
+    return {PROBE: float(step), **{f"train/m{i:04d}": float(step * 10_000 + i) for i in range(num_keys)}}
 
 
 @pytest.fixture()
@@ -20,12 +20,7 @@ def run(tmp_path):
     return client, client.create_run(client.create_experiment("metrics")).info.run_id
 
 
-def test_a_flush_killed_between_batches_leaves_no_step_half_written(run, monkeypatch):
-    client, run_id = run
-    uri = client.tracking_uri
-    logger = MetricsLogger(uri, run_id)
-    for step in (1, 2, 3):
-        logger.log(step, step_metrics(step))
+def flush_killed_after_one_batch(logger: MetricsLogger, monkeypatch) -> None:
     log_batch, sent = logger.client.log_batch, []
 
     def killed_after_one(run_id, metrics):
@@ -37,19 +32,32 @@ def test_a_flush_killed_between_batches_leaves_no_step_half_written(run, monkeyp
     with pytest.raises(KeyboardInterrupt):
         logger.flush()
 
-    resumed = MetricsLogger(uri, run_id)  # the retry: recomputes steps 1-3 and logs them
+
+def test_a_flush_killed_between_batches_leaves_no_step_half_written(run, monkeypatch):
+    client, run_id = run
+    logger = MetricsLogger(client.tracking_uri, run_id)
+    for step in (1, 2, 3):
+        logger.log(step, step_metrics(step))
+    flush_killed_after_one_batch(logger, monkeypatch)
+
+    resumed = MetricsLogger(client.tracking_uri, run_id)  # the retry: recomputes steps 1-3 and logs them
     assert resumed.logged_through == 1
     for step in (1, 2, 3):
         resumed.log(step, step_metrics(step))
     resumed.flush()
-    for key in (PROBE, "train/m000", f"train/m{NUM_KEYS - 1:03d}"):
+    for key in (PROBE, "train/m0000", f"train/m{NUM_KEYS - 1:04d}"):
         assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3], key
 
 
-def test_a_step_over_mlflows_batch_limit_is_written_whole(run):
+def test_a_step_over_mlflows_batch_limit_is_split_with_its_probe_last(run, monkeypatch):
     client, run_id = run
     logger = MetricsLogger(client.tracking_uri, run_id)
-    logger.log(1, {PROBE: 1.0, **{f"k{i:04d}": float(i) for i in range(1200)}})  # MLflow takes 1000 a batch
-    logger.flush()
+    logger.log(1, step_metrics(1, num_keys=1200))
+    flush_killed_after_one_batch(logger, monkeypatch)
+
+    resumed = MetricsLogger(client.tracking_uri, run_id)
+    assert resumed.logged_through == 0  # the first piece alone does not mark the step written
+    resumed.log(1, step_metrics(1, num_keys=1200))
+    resumed.flush()
+    assert [m.value for m in client.get_metric_history(run_id, "train/m1199")] == [11199.0]
     assert MetricsLogger(client.tracking_uri, run_id).logged_through == 1
-    assert [m.value for m in client.get_metric_history(run_id, "k1199")] == [1199.0]
