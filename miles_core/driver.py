@@ -96,10 +96,13 @@ def run_training(spec: TrainSpec, on_step: Callable[[LoopState], None] | None = 
         if mlflow:
             mlflow.flush()
 
-    def checkpointed(step: int) -> None:
-        log.info("checkpoint at step %d", step)
+    def upload(step: int) -> None:
         if uploader is not None:
             uploader.submit(step, Path(spec.run_dir, "checkpoints", ckpt.step_dir_name(step)))
+
+    def checkpointed(step: int) -> None:
+        log.info("checkpoint at step %d", step)
+        upload(step)
         _call(on_checkpoint, step)
 
     def logged(step: int, metrics: dict[str, float]) -> None:
@@ -118,6 +121,8 @@ def run_training(spec: TrainSpec, on_step: Callable[[LoopState], None] | None = 
                                    teacher_dir=spec.teacher_dir, megatron_dir=spec.megatron_dir, hooks=hooks)
             try:
                 state, resumed_from = run.resume()
+                if resumed_from is not None:  # a kill may have beaten its upload; a stored one is skipped
+                    upload(resumed_from)
                 state = run_loop(run, state)
                 export_dir = run.export_hf()
             finally:

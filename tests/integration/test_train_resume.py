@@ -64,17 +64,19 @@ def test_same_seed_twice_gives_the_same_numbers(ray_local, tmp_path, warm_tiny):
     assert first == second and len({h["rollout/reward_mean"] for h in first}) > 1
 
 
-def test_a_driver_killed_once_its_checkpoint_is_complete_loses_no_metrics(ray_local, tmp_path, warm_tiny,
-                                                                            monkeypatch):
+def test_a_driver_killed_once_its_checkpoint_is_complete_loses_no_metrics_and_no_upload(
+        ray_local, tmp_path, warm_tiny, monkeypatch):
     # A resume never recomputes the steps a complete checkpoint covers, so their metrics must
-    # be in MLflow before the checkpoint is: a kill right after it completes loses nothing.
+    # be in MLflow before the checkpoint is, and the checkpoint it resumes from must reach the
+    # store even when the kill came before its upload.
     from mlflow.tracking import MlflowClient
 
-    from miles_core import checkpoint
+    from miles_core import checkpoint, uploads
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("resume")).info.run_id
+    store_uri = (tmp_path / "store").as_uri()
     write_checkpoint = checkpoint.write_checkpoint
 
     class Killed(BaseException):  # what the driver's own except clauses cannot swallow
@@ -86,13 +88,14 @@ def test_a_driver_killed_once_its_checkpoint_is_complete_loses_no_metrics(ray_lo
 
     def spec(num_steps):
         return spec_for(tmp_path, warm_tiny["warm"], tmp_path / "run", num_steps).model_copy(
-            update={"mlflow_uri": uri, "mlflow_run_id": run_id})
+            update={"mlflow_uri": uri, "mlflow_run_id": run_id, "store_uri": store_uri, "run_key": "killed"})
 
     monkeypatch.setattr(checkpoint, "write_checkpoint", killed_once_complete)
     with pytest.raises(Killed):
         run_training(spec(4))
     monkeypatch.setattr(checkpoint, "write_checkpoint", write_checkpoint)
-    resumed = run_training(spec(4))
-    assert resumed.resumed_from_step == 2
+    resumed = run_training(spec(2))  # nothing left to train: only what the kill left undone
+    assert resumed.resumed_from_step == 2 and resumed.history == []
     steps = [m.step for m in client.get_metric_history(run_id, "time/step_seconds")]
-    assert sorted(steps) == [1, 2, 3, 4]
+    assert sorted(steps) == [1, 2]
+    assert uploads.read_latest(store_uri, "killed", spec(2).config.checkpoint)["step"] == 2
