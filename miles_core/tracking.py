@@ -15,7 +15,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_METRICS_PER_BATCH
 
-from miles_core.checkpoint import check_run_key
+from miles_core.checkpoint import check_run_key, step_dir_name
 from miles_core.config import RunConfig
 
 RUN_KEY_TAG = "miles.run_key"
@@ -202,16 +202,28 @@ def log_eval(uri: str, run_id: str, phase: str, result: dict[str, Any], step: in
     client.log_dict(run_id, result, f"eval/{phase}.json")
 
 
-def register_model(uri: str, run_id: str, name: str, hf_export_dir: str, tags: dict[str, str]) -> str:
-    """Log the HF export as run artifacts and register them as a new model version."""
+def register_model(uri: str, run_id: str, name: str, hf_export_dir: str, tags: dict[str, str], *,
+                   step: int) -> str:
+    """Log the HF export of `step` as run artifacts, register them as a model version and
+    point the `candidate` alias at it.
+
+    Each step's export has its own artifact path, so a resumed run that trains further never
+    changes the weights of the version it registered before. A retry or resume that already
+    registered this run's step gets that version back instead of a duplicate."""
     client = client_for(uri)
-    client.log_artifacts(run_id, hf_export_dir, artifact_path="hf_export")
-    try:
-        client.get_registered_model(name)
-    except mlflow.exceptions.MlflowException:
-        client.create_registered_model(name, description="HF exports of rl-posttrain runs")
-    source = f"{client.get_run(run_id).info.artifact_uri}/hf_export"
-    version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+    artifact_path = f"hf_export/{step_dir_name(step)}"
+    source = f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}"
+    registered = [v for v in client.search_model_versions(f"run_id = '{check_run_key(run_id)}'")
+                  if v.name == name and v.source == source]
+    if registered:
+        version = registered[0]
+    else:
+        client.log_artifacts(run_id, hf_export_dir, artifact_path=artifact_path)
+        try:
+            client.get_registered_model(name)
+        except mlflow.exceptions.MlflowException:
+            client.create_registered_model(name, description="HF exports of rl-posttrain runs")
+        version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
     client.set_registered_model_alias(name, "candidate", version.version)
     return str(version.version)
 

@@ -23,7 +23,7 @@ def upload_artifacts(store_uri: str, run_key: str, checkpoint_dir: str, hf_expor
 
 @task(name="register-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20],
       retry_condition_fn=retry_if_retryable)
-def register_model(mlflow_uri: str, mlflow_run_id: str, name: str, hf_export_dir: str, tags: dict) -> str:
-    version = tracking.register_model(mlflow_uri, mlflow_run_id, name, hf_export_dir, tags)
+def register_model(mlflow_uri: str, mlflow_run_id: str, name: str, hf_export_dir: str, tags: dict, step: int) -> str:
+    version = tracking.register_model(mlflow_uri, mlflow_run_id, name, hf_export_dir, tags, step=step)
     get_run_logger().info("registered %s version %s (alias candidate)", name, version)
     return version

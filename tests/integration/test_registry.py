@@ -4,6 +4,7 @@ transaction, champion download, and the rl-eval flow."""
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # Prefect reads its settings when first imported: point it at a throwaway ephemeral server
 # before anything below imports it (setdefault: an enclosing test session's choice wins).
@@ -68,7 +69,8 @@ def mlflow_uri(tmp_path_factory):
 def register(uri: str, model_dir, name: str, score: float) -> str:
     client = tracking.client_for(uri)
     run = client.create_run(client.get_experiment_by_name("rl-posttrain").experiment_id)
-    return str(tracking.register_model(uri, run.info.run_id, name, str(model_dir), {"eval_pass_at_1": str(score)}))
+    return str(tracking.register_model(uri, run.info.run_id, name, str(model_dir), {"eval_pass_at_1": str(score)},
+                                       step=0))
 
 
 def alias(uri: str, name: str, which: str = "champion") -> str | None:
@@ -137,6 +139,28 @@ def test_failed_first_promotion_leaves_no_champion(mlflow_uri, tiny_model_dir, m
     with pytest.raises(PromotionRolledBack):
         promotion(mlflow_uri, name, v1)
     assert alias(mlflow_uri, name) is None and alias(mlflow_uri, name, "candidate") == v1
+
+
+def test_a_retried_registration_reuses_its_version_and_a_later_step_gets_its_own(mlflow_uri, tmp_path):
+    """A resumed run registers again: the same step (a retry) gets its version back, a later
+    step a new version, and the earlier version's weights stay as they were."""
+    import mlflow
+
+    name, client = "resumed", tracking.client_for(mlflow_uri)
+    run_id = client.create_run(client.get_experiment_by_name("rl-posttrain").experiment_id).info.run_id
+    exports = {step: tmp_path / f"export{step}" for step in (10, 14)}
+    for step, export in exports.items():
+        export.mkdir()
+        (export / "weights.txt").write_text(f"step {step}")
+    first = tracking.register_model(mlflow_uri, run_id, name, str(exports[10]), {}, step=10)
+    assert tracking.register_model(mlflow_uri, run_id, name, str(exports[10]), {}, step=10) == first
+    later = tracking.register_model(mlflow_uri, run_id, name, str(exports[14]), {}, step=14)
+    assert later != first and alias(mlflow_uri, name, "candidate") == later
+    assert len(client.search_model_versions(f"name = '{name}'")) == 2
+    source = client.get_model_version(name, first).source
+    local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp_path / "v1"),
+                                                tracking_uri=mlflow_uri)
+    assert (Path(local) / "weights.txt").read_text() == "step 10"
 
 
 def test_champion_downloads_and_generates(mlflow_uri, tiny_model_dir, tmp_path):

@@ -39,7 +39,7 @@ def test_nothing_from_the_environment_reaches_the_run(tmp_path, monkeypatch, tin
     tracking.log_eval(uri, run_id, "after", AFTER["heldout"], step=1)
     reports.log_eval_metrics(uri, run_id, "after", AFTER, step=1)
     reports.log_report(uri, run_id, BEFORE, AFTER, [0.1, 0.4, 0.6])
-    version = tracking.register_model(uri, run_id, "secrets-model", str(tiny_model_dir), {"eval_pass_at_1": "0.75"})
+    version = tracking.register_model(uri, run_id, "secrets-model", str(tiny_model_dir), {"eval_pass_at_1": "0.75"}, step=3)
     tracking.finish(uri, run_id, "FINISHED")
 
     client = MlflowClient(uri, registry_uri=uri)
@@ -53,7 +53,7 @@ def test_nothing_from_the_environment_reaches_the_run(tmp_path, monkeypatch, tin
 
     local = Path(client.download_artifacts(run_id, "", str(tmp_path / "artifacts")))
     files = [p for p in local.rglob("*") if p.is_file()]
-    assert {"eval/report.json", "eval/samples.json", "plots/eval.png", "hf_export/config.json"} <= \
+    assert {"eval/report.json", "eval/samples.json", "plots/eval.png", "hf_export/step_000003/config.json"} <= \
         {p.relative_to(local).as_posix() for p in files}
     assert (local / "plots" / "eval.png").read_bytes()[:4] == b"\x89PNG"
     for path in files:
