@@ -145,8 +145,9 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Overri
         after = evaluate(cfg, result.hf_export_dir, data.eval_path, "after")
     tracking.log_eval(uri, mlflow_run, "after", after["heldout"], step=result.steps)
     reports.log_eval_metrics(uri, mlflow_run, "after", after, step=result.steps)
-    reward_curve = [round(h["rollout/reward_mean"], 4) for h in result.history]
-    periodic = reports.periodic_points(result.periodic_eval)
+    # From MLflow, not result.history: after a resume the driver saw only its own steps.
+    reward_curve = [round(value, 4) for _, value in tracking.metric_history(uri, mlflow_run, "rollout/reward_mean")]
+    periodic = reports.periodic_points_of_run(uri, mlflow_run)
     reports.log_report(uri, mlflow_run, before, after, reward_curve, periodic, final_step=result.steps)
     with timer("register"):
         version = register_model(uri, mlflow_run, cfg.tracking.registered_model_name, result.hf_export_dir,

@@ -12,7 +12,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from miles_core.evaluation import HELDOUT, by_dataset, eval_metrics, result_metrics
-from miles_core.tracking import client_for
+from miles_core.tracking import client_for, metric_history
 
 REPORT_ARTIFACT = "eval/report.json"
 MAX_SAMPLES_PER_DATASET = 8
@@ -95,15 +95,13 @@ def sample_rollouts(results: dict | None, per_dataset: int = MAX_SAMPLES_PER_DAT
     return rows
 
 
-def periodic_points(evals: list[dict[str, float]], phase: str = "periodic") -> dict[str, list[tuple[int, float]]]:
-    """{dataset: [(step, pass@1)]} from periodic eval rows {"step": s, metric_key(...): value}."""
-    points: dict[str, list[tuple[int, float]]] = {}
+def periodic_points_of_run(tracking_uri: str, run_id: str, phase: str = "periodic") -> dict[str, list[tuple[int, float]]]:
+    """{dataset: [(step, pass@1)]} of the run's periodic evaluations, from MLflow (which keeps
+    the steps before a resume)."""
     prefix, suffix = f"eval/{phase}/", "/pass_at_1"
-    for row in evals:
-        for key, value in row.items():
-            if key.startswith(prefix) and key.endswith(suffix):
-                points.setdefault(key[len(prefix):-len(suffix)], []).append((int(row["step"]), float(value)))
-    return points
+    keys = sorted(k for k in client_for(tracking_uri).get_run(run_id).data.metrics
+                  if k.startswith(prefix) and k.endswith(suffix))
+    return {key[len(prefix):-len(suffix)]: metric_history(tracking_uri, run_id, key) for key in keys}
 
 
 def log_eval_metrics(tracking_uri: str, run_id: str, phase: str, results: dict | None, step: int) -> dict[str, float]:

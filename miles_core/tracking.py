@@ -196,6 +196,15 @@ class MetricsLogger:
         return batches
 
 
+def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of a run's metric in step order, the latest value where a step has several.
+    Across resumes this is the whole run, where a driver session sees only its own steps."""
+    latest: dict[int, float] = {}
+    for m in sorted(client_for(uri).get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
+        latest[m.step] = m.value
+    return sorted(latest.items())
+
+
 def log_eval(uri: str, run_id: str, phase: str, result: dict[str, Any], step: int) -> None:
     client = client_for(uri)
     client.log_metric(run_id, f"eval/{phase}_pass_at_1", result["pass@1"], step=step)

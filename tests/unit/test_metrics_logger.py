@@ -61,3 +61,24 @@ def test_a_step_over_mlflows_batch_limit_is_split_with_its_probe_last(run, monke
     resumed.flush()
     assert [m.value for m in client.get_metric_history(run_id, "train/m1199")] == [11199.0]
     assert MetricsLogger(client.tracking_uri, run_id).logged_through == 1
+
+
+def test_the_runs_curves_come_whole_from_mlflow_across_sessions(run):
+    """What the summary and plots read: every step either session logged, once per step."""
+    from miles_core.reports import periodic_points_of_run
+    from miles_core.tracking import metric_history
+
+    client, run_id = run
+    first = MetricsLogger(client.tracking_uri, run_id)
+    for step in (1, 2):
+        first.log(step, {PROBE: 1.0, "rollout/reward_mean": step / 10})
+    first.log(2, {"eval/periodic/heldout/pass_at_1": 0.25})
+    first.flush()
+    resumed = MetricsLogger(client.tracking_uri, run_id)  # the next session, after a resume at step 2
+    for step in (1, 2, 3, 4):
+        resumed.log(step, {PROBE: 1.0, "rollout/reward_mean": step / 10})
+    resumed.log(4, {"eval/periodic/heldout/pass_at_1": 0.5, "eval/periodic/gsm/pass_at_1": 0.1})
+    resumed.flush()
+    assert metric_history(client.tracking_uri, run_id, "rollout/reward_mean") == [(1, .1), (2, .2), (3, .3), (4, .4)]
+    assert periodic_points_of_run(client.tracking_uri, run_id) == {"gsm": [(4, 0.1)],
+                                                                   "heldout": [(2, 0.25), (4, 0.5)]}
