@@ -20,6 +20,7 @@ from miles_core.config import RunConfig
 
 RUN_KEY_TAG = "miles.run_key"
 CONFIG_ARTIFACT = "config/resolved.json"
+CONFIG_LOGGED_TAG = "miles.config_logged"
 # A field holds a secret when a word of its name (split at _ - . and spaces, any case) is one of
 # these: api-key, apikey, private_key, passwd, authorization, credentials, HF_TOKEN,
 # aws_secret_access_key, ... ("max_new_tokens" is a count, not a token).
@@ -97,15 +98,25 @@ def start_or_attach_run(cfg: RunConfig, run_key: str, tags: dict[str, str]) -> t
         experiment_id = experiment.experiment_id
     if (run_id := _run_of(client, experiment_id, run_key)) is not None:
         client.update_run(run_id, status="RUNNING")  # a resume of a run that ended FAILED
+        if CONFIG_LOGGED_TAG not in client.get_run(run_id).data.tags:  # its creator died before logging it
+            _log_config(client, run_id, cfg)
         return uri, run_id
     run = client.create_run(experiment_id, run_name=run_key,
                             tags={RUN_KEY_TAG: run_key, "miles.config_digest": cfg.digest(), **tags})
-    flat = flatten(cfg.model_dump(mode="json"))
-    params = [Param(k, v) for k, v in flat.items()]
-    for start in range(0, len(params), 100):
-        client.log_batch(run.info.run_id, params=params[start : start + 100])
-    client.log_dict(run.info.run_id, flat, CONFIG_ARTIFACT)  # the same redacted values, as one file
+    _log_config(client, run.info.run_id, cfg)
     return uri, run.info.run_id
+
+
+def _log_config(client: MlflowClient, run_id: str, cfg: RunConfig) -> None:
+    """The flattened config as params (those not logged yet: MLflow refuses to change one) and
+    as one artifact, then a tag saying so, which a later attach looks for."""
+    flat = flatten(cfg.model_dump(mode="json"))
+    logged = client.get_run(run_id).data.params
+    params = [Param(k, v) for k, v in flat.items() if k not in logged]
+    for start in range(0, len(params), 100):
+        client.log_batch(run_id, params=params[start : start + 100])
+    client.log_dict(run_id, flat, CONFIG_ARTIFACT)  # the same redacted values, as one file
+    client.set_tag(run_id, CONFIG_LOGGED_TAG, "true")
 
 
 def recent_run_keys(cfg: RunConfig, limit: int = 5) -> list[str]:

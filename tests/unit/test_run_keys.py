@@ -43,3 +43,21 @@ def test_show_of_a_truncated_summary_is_a_message(tmp_path):
     result = CliRunner().invoke(app, ["show", str(tmp_path)], terminal_width=200)
     assert result.exit_code == 1 and "not a complete run summary" in " ".join(result.output.split())
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_run_whose_creator_died_before_logging_its_config_gets_it_on_attach(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    overrides = [f"storage.work_dir={tmp_path / 'work'}", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    cfg = load_config(RECIPE, overrides)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed after the run was created")
+    with monkeypatch.context() as patch:
+        patch.setattr(MlflowClient, "log_batch", killed)
+        with pytest.raises(KeyboardInterrupt):
+            tracking.start_or_attach_run(cfg, "half-made", {})
+    uri, run_id = tracking.start_or_attach_run(cfg, "half-made", {})  # the retry attaches
+    run = tracking.client_for(uri).get_run(run_id)
+    assert run.data.params["training.lr"] == str(cfg.training.lr) and len(run.data.params) > 50
+    assert tracking.CONFIG_ARTIFACT in [a.path for a in tracking.client_for(uri).list_artifacts(run_id, "config")]
