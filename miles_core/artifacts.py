@@ -136,7 +136,9 @@ def warm_up(cfg: RunConfig, model: ModelArtifact, data: Dataset) -> WarmupArtifa
              result.probe_pass_at_1, cfg.warmup.target_pass_at_1)
     artifact = WarmupArtifact(model_dir=str(out_dir), identity=f"warmup:{key}", sft_steps=result.steps,
                               probe_pass_at_1=result.probe_pass_at_1, reached_target=result.reached_target)
-    record.write_text(artifact.model_dump_json())
+    staging = record.with_name(f"{WARMUP_RECORD}.partial")  # a torn record would fail every resume
+    staging.write_text(artifact.model_dump_json())
+    staging.replace(record)
     return artifact
 
 
