@@ -154,7 +154,7 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Overri
                                  {"run_key": run_key, "checkpoint_uri": uploaded.checkpoint_uri,
                                   "eval_pass_at_1": str(after["heldout"]["pass@1"]),
                                   "eval_report_uri": tracking.artifact_uri(uri, mlflow_run, reports.REPORT_ARTIFACT),
-                                  "train_data": data.train_path, "eval_data": data.eval_path}, result.steps)
+                                  "train_data": data.train_path, "eval_data": data.eval_path}, step=result.steps)
     with timer("promote"):
         promotion = _promote(cfg, uri, str(version))
     summary = {

@@ -14,10 +14,12 @@ import logging
 import shutil
 from pathlib import Path
 
+import fsspec
 from pydantic import BaseModel, ConfigDict
 
 from miles_core.config import RunConfig
 from miles_core.models import materialize_model, model_identity
+from miles_core.storage import write_json_atomic
 
 log = logging.getLogger(__name__)
 ARTIFACT_VERSION = "v2"
@@ -136,9 +138,8 @@ def warm_up(cfg: RunConfig, model: ModelArtifact, data: Dataset) -> WarmupArtifa
              result.probe_pass_at_1, cfg.warmup.target_pass_at_1)
     artifact = WarmupArtifact(model_dir=str(out_dir), identity=f"warmup:{key}", sft_steps=result.steps,
                               probe_pass_at_1=result.probe_pass_at_1, reached_target=result.reached_target)
-    staging = record.with_name(f"{WARMUP_RECORD}.partial")  # a torn record would fail every resume
-    staging.write_text(artifact.model_dump_json())
-    staging.replace(record)
+    # Atomically: a torn record would fail every resume.
+    write_json_atomic(fsspec.filesystem("file"), str(record.resolve()), artifact.model_dump(mode="json"))
     return artifact
 
 

@@ -146,7 +146,7 @@ def download_model(uri: str, model_uri: str, dest_dir: str | Path) -> Path:
 
     mlflow's own `models:/` resolution looks names up in the process-global registry URI, not
     the one passed in, so the version is resolved here and its source downloaded directly.
-    A non-MLmodel source like ours comes back as <dest>/<last path part> (here hf_export).
+    A non-MLmodel source like ours comes back as <dest>/<last path part> (here step_NNNNNN).
     """
     import mlflow
 

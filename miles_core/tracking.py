@@ -108,14 +108,16 @@ def start_or_attach_run(cfg: RunConfig, run_key: str, tags: dict[str, str]) -> t
 
 
 def _log_config(client: MlflowClient, run_id: str, cfg: RunConfig) -> None:
-    """The flattened config as params (those not logged yet: MLflow refuses to change one) and
-    as one artifact, then a tag saying so, which a later attach looks for."""
+    """The flattened config as params and as one artifact, each only where not logged yet
+    (MLflow refuses to change a param; a resume's overrides must not rewrite the creator's
+    file), then a tag saying so, which a later attach looks for."""
     flat = flatten(cfg.model_dump(mode="json"))
     logged = client.get_run(run_id).data.params
     params = [Param(k, v) for k, v in flat.items() if k not in logged]
     for start in range(0, len(params), 100):
         client.log_batch(run_id, params=params[start : start + 100])
-    client.log_dict(run_id, flat, CONFIG_ARTIFACT)  # the same redacted values, as one file
+    if CONFIG_ARTIFACT not in [a.path for a in client.list_artifacts(run_id, CONFIG_ARTIFACT.rsplit("/", 1)[0])]:
+        client.log_dict(run_id, flat, CONFIG_ARTIFACT)  # the same redacted values, as one file
     client.set_tag(run_id, CONFIG_LOGGED_TAG, "true")
 
 

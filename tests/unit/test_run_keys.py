@@ -1,6 +1,8 @@
 """Run keys name directories and an MLflow filter: only safe ones are accepted, and resuming
 a key with no run fails before anything of a run is written."""
 
+import json
+
 import pytest
 
 from flows.rl_posttrain import rl_posttrain
@@ -60,4 +62,11 @@ def test_a_run_whose_creator_died_before_logging_its_config_gets_it_on_attach(tm
     uri, run_id = tracking.start_or_attach_run(cfg, "half-made", {})  # the retry attaches
     run = tracking.client_for(uri).get_run(run_id)
     assert run.data.params["training.lr"] == str(cfg.training.lr) and len(run.data.params) > 50
-    assert tracking.CONFIG_ARTIFACT in [a.path for a in tracking.client_for(uri).list_artifacts(run_id, "config")]
+    client = tracking.client_for(uri)
+    assert tracking.CONFIG_ARTIFACT in [a.path for a in client.list_artifacts(run_id, "config")]
+
+    # A run from before the tag existed, resumed with another step count: its file stays the creator's.
+    client.delete_tag(run_id, tracking.CONFIG_LOGGED_TAG)
+    tracking.start_or_attach_run(load_config(RECIPE, [*overrides, "training.num_steps=7"]), "half-made", {})
+    logged = json.loads(open(client.download_artifacts(run_id, tracking.CONFIG_ARTIFACT, str(tmp_path))).read())
+    assert logged["training.num_steps"] == str(cfg.training.num_steps) != "7"
