@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+from _common import QWEN3_06B_SHAPE, log
 
 
 def timed(run, iters: int) -> float:
@@ -124,9 +121,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=QWEN3_06B_SHAPE["num_attention_heads"])
+    parser.add_argument("--kv-heads", type=int, default=QWEN3_06B_SHAPE["num_key_value_heads"])
+    parser.add_argument("--head-dim", type=int, default=QWEN3_06B_SHAPE["head_dim"])
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args(argv)
     import torch

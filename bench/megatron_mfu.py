@@ -248,8 +248,8 @@ def sdpa_probe(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int) -
     """fwd+bwd time of causal GQA SDPA per backend and layout (megatron's [s, b, h, d] permuted
     view vs HF's [b, h, s, d]); a backend that refuses the inputs is reported as such."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from attention_kernels import fwd_bwd, sdpa, timed
+    from torch.nn.attention import SDPBackend
 
     flops = 3 * 2 * batch * heads * seq * seq * head_dim  # fwd 2*b*h*s^2*d (causal half), bwd 2x
     rows = []
@@ -258,23 +258,10 @@ def sdpa_probe(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int) -
             if layout == "megatron_view":
                 return torch.randn(seq, batch, h, head_dim, device="cuda", dtype=torch.bfloat16).permute(1, 2, 0, 3)
             return torch.randn(batch, h, seq, head_dim, device="cuda", dtype=torch.bfloat16)
-        q, k, v = make(heads), make(kv_heads), make(kv_heads)
-        for t in (q, k, v):
-            t.requires_grad_()
+        q, k, v = (make(h).requires_grad_() for h in (heads, kv_heads, kv_heads))
         for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
             try:
-                with sdpa_kernel([getattr(SDPBackend, backend)]):
-                    def run(q=q, k=k, v=v):
-                        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-                        o.backward(torch.ones_like(o))
-                    for _ in range(3):
-                        run()
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    for _ in range(10):
-                        run()
-                    torch.cuda.synchronize()
-                    ms = (time.perf_counter() - start) / 10 * 1e3
+                ms = timed(fwd_bwd(sdpa([getattr(SDPBackend, backend)]), q, k, v, torch.ones_like(q)), 10)
                 rows.append({"layout": layout, "backend": backend, "fwd_bwd_ms": ms, "tflops": flops / ms / 1e9})
             except Exception as exc:  # noqa: BLE001 - a refused backend is a result
                 rows.append({"layout": layout, "backend": backend, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})

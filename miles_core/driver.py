@@ -2,8 +2,8 @@
 
 It opens the TrainingRun (actors, engines, transport), resumes from the latest complete
 checkpoint, runs the loop, and exports the policy; with an MLflow run and an object store in
-the spec it also logs each step's metrics before the checkpoint that covers it, and uploads each checkpoint in the
-background. The flow's train task runs it inline, or as a Ray Job
+the spec it also logs each step's metrics before the checkpoint that covers it, and uploads
+each checkpoint in the background. The flow's train task runs it inline, or as a Ray Job
 (`python -m miles_core.driver --spec SPEC.json ...`, see miles_core/ray_jobs.py); either way
 the same code logs and uploads, so a job that outlives its Prefect task loses nothing.
 """
