@@ -1,0 +1,144 @@
+"""MFU of the trainers' step under Inductor settings, against the trainers' default, in one run.
+
+    python bench/compile_variants.py [--variants default coordinate_descent ...] [--backends fsdp2_hf megatron]
+                                     [--batch 16] [--seq 2048] [--steps 10] [--warmup 3] [--profile]
+                                     [--out DIR] [--time-budget S]
+
+The step, models and MFU are bench/megatron_mfu.py's (forward, fused log-probs, backward, grad clip,
+fused AdamW; Qwen3-0.6B shape, bf16). Each variant recompiles the decoder layers and the log-prob
+kernels from scratch (torch._dynamo.reset) under its settings:
+
+  default                     torch.compile per decoder layer, as the trainers run it
+  coordinate_descent          Inductor's coordinate-descent tuning of its Triton kernels' launch configs
+  aggressive_fusion           Inductor fuses nodes even without shared reads
+  max_autotune_no_cudagraphs  mode="max-autotune-no-cudagraphs": matmul templates with fused epilogues
+  coordinate_descent_no_cudagraphs_autotune  both of the last
+
+Variants alternate with the default (default, A, default, B, ...) so every ratio has a baseline
+measured just before it in the same process. Progress goes to stderr; the last stdout line is the
+JSON summary with each variant's MFU and its ratio to the default run next to it. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import log, rounded, setup_env, stub_ray_if_missing
+
+VARIANTS = {
+    "default": ({}, None),
+    "coordinate_descent": ({"coordinate_descent_tuning": True}, None),
+    "aggressive_fusion": ({"aggressive_fusion": True}, None),
+    "max_autotune_no_cudagraphs": ({}, "max-autotune-no-cudagraphs"),
+    "coordinate_descent_max_autotune": ({"coordinate_descent_tuning": True}, "max-autotune-no-cudagraphs"),
+}
+
+
+@contextlib.contextmanager
+def inductor_settings(patch: dict):
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(patch):
+        yield
+
+
+def compile_layers(name: str, model, mode: str | None) -> None:
+    """Per-layer torch.compile, as the trainers do, with the variant's mode."""
+    if name == "megatron":
+        for layer in model.decoder.layers:
+            layer._compiled_call_impl = None
+            layer.compile(mode=mode)
+    else:
+        for layer in model.model.layers:
+            layer.__dict__.pop("forward", None)
+            layer.forward = __import__("torch").compile(layer.forward, mode=mode)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", nargs="+", default=["coordinate_descent", "aggressive_fusion"],
+                        choices=[v for v in VARIANTS if v != "default"])
+    parser.add_argument("--backends", nargs="+", default=["fsdp2_hf", "megatron"], choices=["fsdp2_hf", "megatron"])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="kernel breakdown of each variant's step")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--time-budget", type=float, default=0, help="seconds; skip what would start later")
+    args = parser.parse_args(argv)
+    setup_env()
+    stub_ray_if_missing()
+    began = time.perf_counter()
+    import torch
+    import torch._dynamo
+    from megatron_mfu import build_hf, build_megatron, hf_config, hf_step, measure, megatron_step, profile_step
+    from torch.distributed.fsdp import fully_shard
+
+    from miles_core.training.logprobs import _COMPILED
+    from miles_core.training.megatron.model import init_parallel, shutdown_parallel
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/compile_variants.py needs a GPU")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    created = init_parallel(1)
+    config = hf_config(28, args.seq)
+    hf_model = build_hf(config, torch.bfloat16)
+    params = sum(p.numel() for p in hf_model.parameters())
+    attn_flops = 6 * args.seq * config.num_attention_heads * config.head_dim * config.num_hidden_layers
+    models = {"megatron": build_megatron(config, hf_model, torch.bfloat16)} if "megatron" in args.backends else {}
+    for layer in hf_model.model.layers:  # the FSDP2 path as FSDPTrainer builds it
+        fully_shard(layer)
+    fully_shard(hf_model)
+    models["fsdp2_hf"] = hf_model
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True) for name, m in models.items()}
+    steps = {"megatron": megatron_step, "fsdp2_hf": hf_step}
+    rows = []
+    order = [v for variant in args.variants for v in ("default", variant)]
+    for variant in order:
+        patch, mode = VARIANTS[variant]
+        for name in args.backends:
+            if args.time_budget and time.perf_counter() - began > args.time_budget:
+                log(f"time budget spent: {variant} {name} skipped")
+                continue
+            torch._dynamo.reset()
+            _COMPILED.clear()
+            with inductor_settings(patch):
+                compile_layers(name, models[name], mode)
+                t0 = time.perf_counter()
+                row = measure(steps[name], models[name], optimizers[name], args.batch, args.seq, config.vocab_size,
+                              args.steps, args.warmup, params, attn_flops)
+                row = {"variant": variant, "backend": name, "compile_and_warmup_s": time.perf_counter() - t0, **row}
+                if args.profile and not row.get("oom"):
+                    row["profile"] = profile_step(steps[name], models[name], optimizers[name], args.batch, args.seq,
+                                                  config.vocab_size, f"{name}_{variant}", args.out)
+            log(f"{variant} {name}: " + ("OOM" if row.get("oom") else
+                                         f"MFU {100 * row['mfu']:.2f}% step {1e3 * row['step_s']:.1f} ms"))
+            rows.append(row)
+    ratios = []
+    for i, row in enumerate(rows):
+        if row["variant"] == "default" or row.get("oom"):
+            continue
+        base = next((r for r in reversed(rows[:i]) if r["variant"] == "default" and r["backend"] == row["backend"]
+                     and not r.get("oom")), None)
+        if base:
+            ratios.append({"variant": row["variant"], "backend": row["backend"], "mfu": row["mfu"],
+                           "baseline_mfu": base["mfu"], "speedup": base["step_s"] / row["step_s"]})
+    shutdown_parallel(created)
+    summary = {"bench": "compile_variants", "device": torch.cuda.get_device_name(), "batch": args.batch,
+               "seq": args.seq, "torch": torch.__version__, "ratios": ratios,
+               "runs": [{k: v for k, v in r.items() if k != "profile"} for r in rows],
+               "profiles": [r["profile"] for r in rows if "profile" in r], "wall_s": time.perf_counter() - began}
+    print(json.dumps(rounded(summary)), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
