@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import io
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 
@@ -32,18 +34,47 @@ from miles_core.weights import bucket_names
 _DEVICE_ARG = 6  # torch's reduce_tensor(cuda tensor) args: (type, size, stride, offset, storage type, dtype, device, ...)
 
 
-def flatten_bucket(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[torch.Tensor, list]:
-    """One buffer on the tensors' device holding each tensor cast to dtype (shared_weights' flat
-    layout, one fused multi-tensor copy), as SGLang's uint8 bucket, and SGLang's metadata entry
-    (byte offsets) for each."""
-    entries, numel = flat_layout({name: tuple(tensor.shape) for name, tensor in named})
-    flat = torch.empty(numel, dtype=dtype, device=named[0][1].device)
-    torch._foreach_copy_([flat[e.offset : e.offset + e.numel].view(e.shape) for e in entries],
-                         [tensor for _, tensor in named])
+@dataclass(frozen=True)
+class BucketLayout:
+    """Where each tensor of a bucket goes in its buffer, and SGLang's metadata for it."""
+
+    numel: int
+    """Elements of the buffer (each tensor aligned as shared_weights.flat_layout aligns it)."""
+    places: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]
+    """(shape, contiguous strides, offset in elements) of each tensor, in the bucket's order."""
+    metadata: tuple[SimpleNamespace, ...]
+    """SGLang's entry (name, shape, dtype, byte range) of each tensor."""
+
+
+@functools.lru_cache(maxsize=1024)
+def bucket_layout(shapes: tuple[tuple[str, tuple[int, ...]], ...], dtype: torch.dtype) -> BucketLayout:
+    """The layout of a bucket of these (name, shape)s in dtype. Cached: a trainer sends the same
+    buckets every sync, and building ~300 entries costs more host time than the copy itself."""
+    entries, numel = flat_layout(dict(shapes))
     size = dtype.itemsize
-    metadata = [SimpleNamespace(name=e.name, shape=torch.Size(e.shape), dtype=dtype, start_idx=e.offset * size,
-                                end_idx=(e.offset + e.numel) * size, numel=e.numel * size) for e in entries]
-    return flat.view(torch.uint8), metadata
+    places = tuple((e.shape, _contiguous_strides(e.shape), e.offset) for e in entries)
+    metadata = tuple(SimpleNamespace(name=e.name, shape=torch.Size(e.shape), dtype=dtype, start_idx=e.offset * size,
+                                     end_idx=(e.offset + e.numel) * size, numel=e.numel * size) for e in entries)
+    return BucketLayout(numel, places, metadata)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
+
+
+def flatten_bucket(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[torch.Tensor, list]:
+    """One buffer on the tensors' device holding each tensor cast to dtype (one fused multi-tensor
+    copy into views made by as_strided, the cheapest view on the host), as SGLang's uint8 bucket,
+    and SGLang's metadata entry (byte offsets) for each."""
+    layout = bucket_layout(tuple((name, tuple(tensor.shape)) for name, tensor in named), dtype)
+    flat = torch.empty(layout.numel, dtype=dtype, device=named[0][1].device)
+    torch._foreach_copy_([flat.as_strided(shape, strides, offset) for shape, strides, offset in layout.places],
+                         [tensor for _, tensor in named])
+    return flat.view(torch.uint8), list(layout.metadata)
 
 
 def serialize_bucket(flat: torch.Tensor, entries: list) -> str:

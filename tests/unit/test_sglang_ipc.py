@@ -35,6 +35,17 @@ def test_a_bucket_read_as_sglang_reads_it_gives_each_weight_cast_to_the_engine_d
         assert torch.equal(received, tensor.to(torch.bfloat16))
 
 
+def test_a_bucket_laid_out_before_is_laid_out_again_when_a_shape_or_the_dtype_changes():
+    first = {"w": torch.arange(6.0).view(2, 3), "b": torch.tensor(1.5), "v": torch.ones(4)}
+    resized = {"w": torch.arange(12.0).view(3, 4), "b": torch.tensor(2.5), "v": torch.ones(4)}  # same names
+    for state, dtype in ((first, torch.bfloat16), (resized, torch.bfloat16), (first, torch.float32),
+                         (first, torch.bfloat16)):
+        got = read_as_sglang(serialize_bucket(*flatten_bucket(list(state.items()), dtype)))
+        assert [(name, tuple(t.shape), t.dtype) for name, t in got] == \
+            [(name, tuple(t.shape), dtype) for name, t in state.items()]
+        assert all(torch.equal(received, state[name].to(dtype)) for name, received in got)
+
+
 def test_the_payload_asks_only_for_globals_both_sglang_versions_admit():
     flat, entries = flatten_bucket(list(weights().items()), torch.float32)
     unpickler = SGLangUnpickler(base64.b64decode(serialize_bucket(flat, entries)))
