@@ -12,7 +12,9 @@ kernels from scratch (torch._dynamo.reset) under its settings:
   coordinate_descent          Inductor's coordinate-descent tuning of its Triton kernels' launch configs
   aggressive_fusion           Inductor fuses nodes even without shared reads
   max_autotune_no_cudagraphs  mode="max-autotune-no-cudagraphs": matmul templates with fused epilogues
-  coordinate_descent_no_cudagraphs_autotune  both of the last
+  coordinate_descent_max_autotune  both of the last
+  logprobs_one_piece          the log-prob kernels over the whole micro-batch in one piece (int64
+                              indexing) instead of chunks of under 2^31 logits
 
 Variants alternate with the default (default, A, default, B, ...) so every ratio has a baseline
 measured just before it in the same process. Progress goes to stderr; the last stdout line is the
@@ -31,12 +33,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import log, rounded, setup_env, stub_ray_if_missing
 
-VARIANTS = {
-    "default": ({}, None),
-    "coordinate_descent": ({"coordinate_descent_tuning": True}, None),
-    "aggressive_fusion": ({"aggressive_fusion": True}, None),
-    "max_autotune_no_cudagraphs": ({}, "max-autotune-no-cudagraphs"),
-    "coordinate_descent_max_autotune": ({"coordinate_descent_tuning": True}, "max-autotune-no-cudagraphs"),
+VARIANTS = {  # Inductor config patch, torch.compile mode, log-prob rows per compiled piece (None: the default)
+    "default": ({}, None, None),
+    "coordinate_descent": ({"coordinate_descent_tuning": True}, None, None),
+    "aggressive_fusion": ({"aggressive_fusion": True}, None, None),
+    "max_autotune_no_cudagraphs": ({}, "max-autotune-no-cudagraphs", None),
+    "coordinate_descent_max_autotune": ({"coordinate_descent_tuning": True}, "max-autotune-no-cudagraphs", None),
+    "logprobs_one_piece": ({}, None, 1 << 62),
 }
 
 
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron_mfu import build_hf, build_megatron, hf_config, hf_step, measure, megatron_step, profile_step
     from torch.distributed.fsdp import fully_shard
 
+    from miles_core.training import logprobs
     from miles_core.training.logprobs import _COMPILED
     from miles_core.training.megatron.model import init_parallel, shutdown_parallel
 
@@ -101,9 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True) for name, m in models.items()}
     steps = {"megatron": megatron_step, "fsdp2_hf": hf_step}
     rows = []
+    default_logprob_elements = logprobs.COMPILED_CHUNK_ELEMENTS
     order = [v for variant in args.variants for v in ("default", variant)]
     for variant in order:
-        patch, mode = VARIANTS[variant]
+        patch, mode, logprob_elements = VARIANTS[variant]
+        logprobs.COMPILED_CHUNK_ELEMENTS = logprob_elements or default_logprob_elements
         for name in args.backends:
             if args.time_budget and time.perf_counter() - began > args.time_budget:
                 log(f"time budget spent: {variant} {name} skipped")

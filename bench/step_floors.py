@@ -3,6 +3,9 @@
     python bench/step_floors.py [--tokens 32768]
 
 - HBM bandwidth: a bf16 copy and an add (a + b -> c) over 1 GiB tensors, bytes moved / time.
+- The fused log-prob pass over tokens x 152k vocab logits (forward + backward, as both trainers
+  run it): in chunks of under 2^31 logits (the default; int32 indexing) against one piece (the
+  whole micro-batch; int64 indexing), with the bytes it must move over the copy bandwidth.
 - The decoder layer's projections at tokens x hidden, forward + backward (three matmuls each),
   as separate matmuls (HF's q/k/v and gate/up) and as one fused matmul (megatron's linear_qkv and
   linear_fc1), with TFLOP/s against the 989 TF/s bf16 dense peak.
@@ -18,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, log, rounded, setup_env
+from _common import QWEN3_06B_SHAPE, log, rounded, setup_env, stub_ray_if_missing
 
 PEAK_FLOPS = 989e12
 
@@ -46,6 +49,28 @@ def bandwidth() -> dict:
     copy_ms = timed_ms(lambda: c.copy_(a))
     add_ms = timed_ms(lambda: torch.add(a, b, out=c))
     return {"copy_tb_per_s": 2 * 2 * n / copy_ms / 1e9, "add_tb_per_s": 3 * 2 * n / add_ms / 1e9}
+
+
+def logprob_pass(tokens: int, copy_tb_per_s: float) -> dict:
+    import torch
+
+    from miles_core.training.logprobs import token_logprobs
+
+    vocab = QWEN3_06B_SHAPE["vocab_size"]
+    logits = torch.randn(1, tokens, vocab, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, vocab, (1, tokens), device="cuda")
+    weights = torch.rand(1, tokens, device="cuda")
+
+    def step(chunk):
+        logits.grad = None
+        logp, _ = token_logprobs(logits, targets, 1.0, vocab, chunk_tokens=chunk)
+        (logp * weights).sum().backward()
+
+    floor_ms = 3 * logits.numel() * 2 / (copy_tb_per_s * 1e12) * 1e3  # read (fwd), read + write (bwd)
+    chunked_ms, whole_ms = timed_ms(lambda: step(None), 10), timed_ms(lambda: step(tokens), 10)
+    log(f"log-prob pass: chunked {chunked_ms:.2f} ms, one piece {whole_ms:.2f} ms, floor {floor_ms:.2f} ms")
+    return {"chunked_ms": chunked_ms, "one_piece_ms": whole_ms, "bandwidth_floor_ms": floor_ms,
+            "one_piece_over_chunked": whole_ms / chunked_ms}
 
 
 def projections(tokens: int) -> list[dict]:
@@ -92,12 +117,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     args = parser.parse_args()
     setup_env()
+    stub_ray_if_missing()
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/step_floors.py needs a GPU")
+    setup = bandwidth()
     result = {"bench": "step_floors", "device": torch.cuda.get_device_name(), "tokens": args.tokens,
-              "bandwidth": bandwidth(), "projections": projections(args.tokens)}
+              "bandwidth": setup, "logprob_pass": logprob_pass(args.tokens, setup["copy_tb_per_s"]),
+              "projections": projections(args.tokens)}
     print(json.dumps(rounded(result)), flush=True)
 
 

@@ -13,10 +13,12 @@ quantity as megatron's ``vocab_parallel_cross_entropy`` (-log p of the target), 
 entropy fused in.
 
 On CUDA the per-row reduction and the gradient are torch.compile'd (Inductor fuses the upcast,
-mask, exp and sums into one read of the logits, and the gradient into one read and one write),
-so no fp32 copy of the logits exists and the whole micro-batch is one piece. Elsewhere (or with
-``MILES_COMPILE_LOGPROBS=0``) the same functions run eagerly over chunks of tokens, at most
-``CHUNK_ELEMENTS`` fp32 logits alive at a time.
+mask, exp and sums into one read of the logits, and the gradient into one read and one write
+straight into the gradient's rows), so no fp32 copy of the logits exists. Rows go in chunks of
+under 2^31 logits: Inductor indexes such kernels in int32, while one piece of a whole micro-batch
+(32k tokens x 152k vocab is 5e9 logits) needs int64 indices and their slow divisions. Elsewhere
+(or with ``MILES_COMPILE_LOGPROBS=0``) the same functions run eagerly over chunks of tokens, at
+most ``CHUNK_ELEMENTS`` fp32 logits alive at a time.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 CHUNK_ELEMENTS = 1 << 26  # fp32 logits per eager chunk: 256 MB
+COMPILED_CHUNK_ELEMENTS = (1 << 31) - 1  # logits per compiled chunk: int32 indexing in Inductor's kernels
 
 
 def _tp(group) -> tuple[int, int]:
@@ -69,6 +72,11 @@ def _row_grad(logits, lse, mean_x, local, in_range, g_logp, g_entropy, temperatu
         centred = torch.where(p > 0, x - mean_x[:, None], torch.zeros_like(x))
         out = out - g_entropy[:, None] * p * centred
     return (out / temperature).to(logits.dtype)
+
+
+def _row_grad_into(grad, *args):
+    """_row_grad written into grad's rows (compiled: the kernel stores there, no copy)."""
+    grad.copy_(_row_grad(*args))
 
 
 _COMPILED: dict[str, object] = {}
@@ -113,7 +121,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         in_range = (local >= 0) & (local < width)
         local = torch.where(in_range, local, torch.zeros_like(local))
         compiled = _use_compiled(logits)
-        chunk = chunk or (n if compiled else max(1, CHUNK_ELEMENTS // width))
+        chunk = chunk or max(1, (COMPILED_CHUNK_ELEMENTS if compiled else CHUNK_ELEMENTS) // width)
         pieces = [_run("stats", _row_stats, compiled, logits[s:s + chunk], local[s:s + chunk],
                        in_range[s:s + chunk], temperature, valid, with_entropy) for s in range(0, n, chunk)]
         top, total, target, ex = (torch.cat(p) if len(pieces) > 1 else p[0] for p in zip(*pieces))
@@ -148,7 +156,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         else:
             grad = torch.empty_like(logits)
             for s in range(0, n, chunk):
-                grad[s:s + chunk] = _run("grad", _row_grad, ctx.compiled, *args(s))
+                _run("grad_into", _row_grad_into, ctx.compiled, grad[s:s + chunk], *args(s))
         return grad, None, None, None, None, None, None
 
 

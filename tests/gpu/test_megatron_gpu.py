@@ -101,7 +101,9 @@ def test_trainer_learns_and_resumes_on_gpu(tiny, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_logprobs_match_eager_on_gpu(dtype, monkeypatch):
-    """The torch.compile'd fused log-prob (CUDA) against the eager chunked path: values and grads."""
+    """The torch.compile'd fused log-prob (CUDA), in one piece and in chunks, against the eager
+    chunked path: values and grads."""
+    from miles_core.training import logprobs
     from miles_core.training.logprobs import token_logprobs
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -109,16 +111,18 @@ def test_compiled_logprobs_match_eager_on_gpu(dtype, monkeypatch):
     targets = torch.randint(0, 600, (3, 37), device="cuda", generator=gen)
     weights = torch.rand(2, 3, 37, device="cuda", generator=gen)
     out = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("MILES_COMPILE_LOGPROBS", mode)
+    for mode in ("0", "1", "1 chunked"):  # chunked: the rows of a micro-batch over 2^31 logits go in pieces
+        monkeypatch.setenv("MILES_COMPILE_LOGPROBS", mode[0])
+        monkeypatch.setattr(logprobs, "COMPILED_CHUNK_ELEMENTS", 640 * 16 if "chunked" in mode else 1 << 31)
         logits.grad = None
         logp, entropy = token_logprobs(logits, targets, 0.8, 600, with_entropy=True,
                                        chunk_tokens=16 if mode == "0" else None)
         ((logp * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
         out[mode] = (logp.detach(), entropy.detach(), logits.grad.float().clone())
-    for a, b in zip(out["0"], out["1"]):
-        assert torch.allclose(a, b, atol=2e-3 if dtype == torch.bfloat16 else 1e-5, rtol=1e-3), (a - b).abs().max()
-    assert out["1"][2][..., 600:].abs().max() == 0
+    for mode in ("1", "1 chunked"):
+        for a, b in zip(out["0"], out[mode]):
+            assert torch.allclose(a, b, atol=2e-3 if dtype == torch.bfloat16 else 1e-5, rtol=1e-3), (a - b).abs().max()
+        assert out[mode][2][..., 600:].abs().max() == 0
 
 
 def test_mfu_bench_runs_small():
