@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
-from miles_core.rollout.sglang_client import shared_client
+from miles_core.rollout.sglang_client import SGLangClient
 from miles_core.shared_weights import flat_layout
 from miles_core.weight_layout import checkpoint_layout
 from miles_core.weights import bucket_names
@@ -102,7 +102,7 @@ def send_weights_over_cuda_ipc(state: dict[str, torch.Tensor], urls: list[str], 
     in one weight-update session per engine. The buffer stays alive until every engine has
     answered, so no engine reads freed memory. Returns the bytes handed over per engine."""
     state = checkpoint_layout(state)  # SGLang's loaders skip fused MoE expert names without an error
-    clients = [shared_client(url, api_key) for url in urls]
+    clients = [SGLangClient(url, api_key=api_key) for url in urls]
     sent = 0
     with contextlib.ExitStack() as sessions:
         for client in clients:

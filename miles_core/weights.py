@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from miles_core.config.rollout import TransportConfig
-from miles_core.rollout.sglang_client import SGLangClient, shared_client
+from miles_core.rollout.sglang_client import SGLangClient
 from miles_core.weight_layout import checkpoint_layout
 
 Target = tuple[Any, str]  # (engine actor handle, engine base URL)
@@ -248,14 +248,14 @@ def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str],
     buckets = bucket_names(state, bucket_bytes)
     with ThreadPoolExecutor(max_workers=len(urls)) as pool, contextlib.ExitStack() as sessions:
         for url in urls:
-            sessions.enter_context(shared_client(url, api_key).weight_update_session())
+            sessions.enter_context(SGLangClient(url, api_key=api_key).weight_update_session())
         for index, bucket in enumerate(buckets):
             dtypes = [str(state[n].dtype).removeprefix("torch.") for n in bucket]
             shapes = [list(state[n].shape) for n in bucket]
             # One cache flush, after the last bucket: SGLang fails an update whose flush it refuses
             # (requests still queued), after loading the tensors; between buckets nothing generates.
             flush = index == len(buckets) - 1
-            requests = [pool.submit(shared_client(url, api_key).update_weights_from_distributed, bucket, dtypes,
+            requests = [pool.submit(SGLangClient(url, api_key=api_key).update_weights_from_distributed, bucket, dtypes,
                                     shapes, group_name, version, flush) for url in urls]
             tensors = [state[name].to(device) for name in bucket]
             works = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in tensors]

@@ -9,7 +9,6 @@ SGLang itself is never imported here: it pins a CUDA torch that CPU machines can
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -275,13 +274,6 @@ class SGLangClient:
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
         return self._post_result("/update_weight_version", {"new_version": str(new_version),
                                                             "abort_all_requests": abort_all_requests})
-
-
-@functools.lru_cache(maxsize=256)
-def shared_client(base_url: str, api_key: str | None = None) -> SGLangClient:
-    """One client per engine for a process's repeated calls (a weight sync every step): its
-    connections stay open between syncs instead of one new connection per sync."""
-    return SGLangClient(base_url, api_key=api_key)
 
 
 def _error_text(resp: requests.Response) -> str:
