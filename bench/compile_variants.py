@@ -1,6 +1,6 @@
 """MFU of the trainers' step under Inductor settings, against the trainers' default, in one run.
 
-    python bench/compile_variants.py [--variants default coordinate_descent ...] [--backends fsdp2_hf megatron]
+    python bench/compile_variants.py [--variants coordinate_descent ...] [--backends fsdp2_hf megatron]
                                      [--batch 16] [--seq 2048] [--steps 10] [--warmup 3] [--profile]
                                      [--out DIR] [--time-budget S]
 
@@ -11,8 +11,9 @@ kernels from scratch (torch._dynamo.reset) under its settings:
   default                     torch.compile per decoder layer, as the trainers run it
   coordinate_descent          Inductor's coordinate-descent tuning of its Triton kernels' launch configs
   aggressive_fusion           Inductor fuses nodes even without shared reads
-  max_autotune_no_cudagraphs  mode="max-autotune-no-cudagraphs": matmul templates with fused epilogues
-  coordinate_descent_max_autotune  both of the last
+  max_autotune_no_cudagraphs  mode="max-autotune-no-cudagraphs" for the layers: matmul templates with
+                              fused epilogues
+  coordinate_descent_max_autotune  coordinate_descent and max_autotune_no_cudagraphs together
   logprobs_one_piece          the log-prob kernels over the whole micro-batch in one piece (int64
                               indexing) instead of chunks of under 2^31 logits
 
@@ -33,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import log, rounded, setup_env, stub_ray_if_missing
 
-VARIANTS = {  # Inductor config patch, torch.compile mode, log-prob rows per compiled piece (None: the default)
+VARIANTS = {  # Inductor config patch, torch.compile mode of the layers, logits per compiled log-prob chunk
     "default": ({}, None, None),
     "coordinate_descent": ({"coordinate_descent_tuning": True}, None, None),
     "aggressive_fusion": ({"aggressive_fusion": True}, None, None),
@@ -52,15 +53,80 @@ def inductor_settings(patch: dict):
 
 
 def compile_layers(name: str, model, mode: str | None) -> None:
-    """Per-layer torch.compile, as the trainers do, with the variant's mode."""
-    if name == "megatron":
-        for layer in model.decoder.layers:
+    """Per-layer torch.compile with the variant's mode, as the trainers' compile_decoder_layers
+    does it (their dynamo cache limit included). The mode reaches the layers only: the log-prob
+    kernels keep the trainers' own torch.compile call, under the variant's Inductor settings."""
+    import torch
+    import torch._dynamo
+
+    layers = list(model.decoder.layers if name == "megatron" else model.model.layers)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * len(layers) + 8)
+    for layer in layers:
+        if name == "megatron":
             layer._compiled_call_impl = None
             layer.compile(mode=mode)
-    else:
-        for layer in model.model.layers:
+        else:
             layer.__dict__.pop("forward", None)
-            layer.forward = __import__("torch").compile(layer.forward, mode=mode)
+            layer.forward = torch.compile(layer.forward, mode=mode)
+
+
+def build(backends: list[str], seq: int):
+    """(config, models, optimizers, params): the HF model sharded as FSDPTrainer shards it and,
+    when asked, a Megatron GPTModel with its weights; fused AdamW on each."""
+    import torch
+    from megatron_mfu import build_hf, build_megatron, hf_config, shard_as_fsdp_trainer
+
+    config = hf_config(28, seq)
+    hf_model = build_hf(config, torch.bfloat16)
+    params = sum(p.numel() for p in hf_model.parameters())  # tied embedding counted once
+    models = {"megatron": build_megatron(config, hf_model, torch.bfloat16)} if "megatron" in backends else {}
+    shard_as_fsdp_trainer(hf_model)
+    models["fsdp2_hf"] = hf_model
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True) for name, m in models.items()}
+    return config, models, optimizers, params
+
+
+def run_variant(variant: str, name: str, model, optimizer, config, params: int, args) -> dict:
+    """Recompile from scratch under the variant's settings, then measure (and profile) one batch size."""
+    import torch._dynamo
+    from megatron_mfu import attention_flops_per_token, hf_step, measure, megatron_step, profile_step
+
+    from miles_core.training import logprobs
+
+    patch, mode, logprob_elements = VARIANTS[variant]
+    step = megatron_step if name == "megatron" else hf_step
+    torch._dynamo.reset()
+    logprobs._COMPILED.clear()
+    default_elements = logprobs.COMPILED_CHUNK_ELEMENTS
+    logprobs.COMPILED_CHUNK_ELEMENTS = logprob_elements or default_elements
+    try:
+        with inductor_settings(patch):
+            compile_layers(name, model, mode)
+            row = measure(step, model, optimizer, args.batch, args.seq, config.vocab_size, args.steps, args.warmup,
+                          params, attention_flops_per_token(config, args.seq))
+            if args.profile and not row.get("oom"):
+                row["profile"] = profile_step(step, model, optimizer, args.batch, args.seq, config.vocab_size,
+                                              f"{name}_{variant}", args.out)
+    finally:
+        logprobs.COMPILED_CHUNK_ELEMENTS = default_elements
+    log(f"{variant} {name}: " + ("OOM" if row.get("oom") else
+                                 f"MFU {100 * row['mfu']:.2f}% step {1e3 * row['step_s']:.1f} ms, "
+                                 f"compile + warm-up {row['warmup_s']:.0f} s"))
+    return {"variant": variant, "backend": name, **row}
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Each variant's MFU against the default run of its backend just before it."""
+    out = []
+    for i, row in enumerate(rows):
+        if row["variant"] == "default" or row.get("oom"):
+            continue
+        base = next((r for r in reversed(rows[:i]) if r["variant"] == "default" and r["backend"] == row["backend"]
+                     and not r.get("oom")), None)
+        if base:
+            out.append({"variant": row["variant"], "backend": row["backend"], "mfu": row["mfu"],
+                        "baseline_mfu": base["mfu"], "speedup": base["step_s"] / row["step_s"]})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -80,66 +146,25 @@ def main(argv: list[str] | None = None) -> dict:
     stub_ray_if_missing()
     began = time.perf_counter()
     import torch
-    import torch._dynamo
-    from megatron_mfu import build_hf, build_megatron, hf_config, hf_step, measure, megatron_step, profile_step
-    from torch.distributed.fsdp import fully_shard
 
-    from miles_core.training import logprobs
-    from miles_core.training.logprobs import _COMPILED
     from miles_core.training.megatron.model import init_parallel, shutdown_parallel
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/compile_variants.py needs a GPU")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-    created = init_parallel(1)
-    config = hf_config(28, args.seq)
-    hf_model = build_hf(config, torch.bfloat16)
-    params = sum(p.numel() for p in hf_model.parameters())
-    attn_flops = 6 * args.seq * config.num_attention_heads * config.head_dim * config.num_hidden_layers
-    models = {"megatron": build_megatron(config, hf_model, torch.bfloat16)} if "megatron" in args.backends else {}
-    for layer in hf_model.model.layers:  # the FSDP2 path as FSDPTrainer builds it
-        fully_shard(layer)
-    fully_shard(hf_model)
-    models["fsdp2_hf"] = hf_model
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True) for name, m in models.items()}
-    steps = {"megatron": megatron_step, "fsdp2_hf": hf_step}
+    created = init_parallel(1)  # nccl world of one: megatron's groups, and FSDP2's default group
+    config, models, optimizers, params = build(args.backends, args.seq)
     rows = []
-    default_logprob_elements = logprobs.COMPILED_CHUNK_ELEMENTS
-    order = [v for variant in args.variants for v in ("default", variant)]
-    for variant in order:
-        patch, mode, logprob_elements = VARIANTS[variant]
-        logprobs.COMPILED_CHUNK_ELEMENTS = logprob_elements or default_logprob_elements
+    for variant in [v for asked in args.variants for v in ("default", asked)]:
         for name in args.backends:
             if args.time_budget and time.perf_counter() - began > args.time_budget:
                 log(f"time budget spent: {variant} {name} skipped")
                 continue
-            torch._dynamo.reset()
-            _COMPILED.clear()
-            with inductor_settings(patch):
-                compile_layers(name, models[name], mode)
-                t0 = time.perf_counter()
-                row = measure(steps[name], models[name], optimizers[name], args.batch, args.seq, config.vocab_size,
-                              args.steps, args.warmup, params, attn_flops)
-                row = {"variant": variant, "backend": name, "compile_and_warmup_s": time.perf_counter() - t0, **row}
-                if args.profile and not row.get("oom"):
-                    row["profile"] = profile_step(steps[name], models[name], optimizers[name], args.batch, args.seq,
-                                                  config.vocab_size, f"{name}_{variant}", args.out)
-            log(f"{variant} {name}: " + ("OOM" if row.get("oom") else
-                                         f"MFU {100 * row['mfu']:.2f}% step {1e3 * row['step_s']:.1f} ms"))
-            rows.append(row)
-    ratios = []
-    for i, row in enumerate(rows):
-        if row["variant"] == "default" or row.get("oom"):
-            continue
-        base = next((r for r in reversed(rows[:i]) if r["variant"] == "default" and r["backend"] == row["backend"]
-                     and not r.get("oom")), None)
-        if base:
-            ratios.append({"variant": row["variant"], "backend": row["backend"], "mfu": row["mfu"],
-                           "baseline_mfu": base["mfu"], "speedup": base["step_s"] / row["step_s"]})
+            rows.append(run_variant(variant, name, models[name], optimizers[name], config, params, args))
     shutdown_parallel(created)
     summary = {"bench": "compile_variants", "device": torch.cuda.get_device_name(), "batch": args.batch,
-               "seq": args.seq, "torch": torch.__version__, "ratios": ratios,
+               "seq": args.seq, "torch": torch.__version__, "ratios": ratios(rows),
                "runs": [{k: v for k, v in r.items() if k != "profile"} for r in rows],
                "profiles": [r["profile"] for r in rows if "profile" in r], "wall_s": time.perf_counter() - began}
     print(json.dumps(rounded(summary)), flush=True)

@@ -68,6 +68,20 @@ def build_hf(config, dtype):
     return model.cuda().train()
 
 
+def shard_as_fsdp_trainer(hf_model) -> None:
+    """fully_shard each decoder layer, then the model: the FSDP2 path as FSDPTrainer builds it."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in hf_model.model.layers:
+        fully_shard(layer)
+    fully_shard(hf_model)
+
+
+def attention_flops_per_token(config, seq: int) -> float:
+    """QK^T and PV matmul FLOPs per token (causal half, forward + backward), which 6 * params leaves out."""
+    return 6 * seq * config.num_attention_heads * config.head_dim * config.num_hidden_layers
+
+
 def build_megatron(config, hf_model, dtype, fused_swiglu: bool = False):
     """GPTModel with the HF model's weights (so both start from the same point)."""
     from miles_core.training.megatron import mapping
@@ -303,7 +317,6 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bench/megatron_mfu.py needs a GPU")
     import megatron.core
     import transformers
-    from torch.distributed.fsdp import fully_shard
 
     from miles_core.training.megatron.model import init_parallel, shutdown_parallel
 
@@ -329,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = config.vocab_size
     hf_model = build_hf(config, dtype)
     params = sum(p.numel() for p in hf_model.parameters())  # tied embedding counted once
-    attn_flops = 6 * args.seq * config.num_attention_heads * config.head_dim * args.layers
+    attn_flops = attention_flops_per_token(config, args.seq)
     if args.rope_per_layer:
         import miles_core.training.megatron.rope as rope
 
@@ -340,9 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"built in {time.perf_counter() - began:.0f} s")
     probe = sdpa_probe(args.batch[0], args.seq, config.num_attention_heads, config.num_key_value_heads,
                        config.head_dim) if args.sweep else []
-    for layer in hf_model.model.layers:  # the FSDP2 path as FSDPTrainer builds it
-        fully_shard(layer)
-    fully_shard(hf_model)
+    shard_as_fsdp_trainer(hf_model)
     optimizers = {"megatron": torch.optim.AdamW(mg_model.parameters(), lr=1e-5, fused=True),
                   "fsdp2_hf": torch.optim.AdamW(hf_model.parameters(), lr=1e-5, fused=True)}
     models = {"megatron": mg_model, "fsdp2_hf": hf_model}

@@ -22,8 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import QWEN3_06B_SHAPE, log, rounded, setup_env, stub_ray_if_missing
-
-PEAK_FLOPS = 989e12
+from megatron_mfu import PEAK_FLOPS
 
 
 def timed_ms(fn, iterations: int = 20) -> float:

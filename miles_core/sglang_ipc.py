@@ -43,7 +43,8 @@ class BucketLayout:
     places: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]
     """(shape, contiguous strides, offset in elements) of each tensor, in the bucket's order."""
     metadata: tuple[SimpleNamespace, ...]
-    """SGLang's entry (name, shape, dtype, byte range) of each tensor."""
+    """SGLang's entry (name, shape, dtype, byte range) of each tensor; cached, so every sync of this
+    layout pickles the same objects: read them, never change them."""
 
 
 @functools.lru_cache(maxsize=1024)

@@ -126,8 +126,8 @@ class MegatronConfig(Section):
     """Full activation recomputation, one layer per checkpoint: keeps only each layer's input
     alive and recomputes the rest in backward (~1/3 more compute, far less memory)."""
     logprob_chunk_tokens: int | None = Field(None, ge=1)
-    """Tokens per chunk of the vocab-parallel log-prob pass (None: eager, sized to keep ~256 MB of
-    fp32 logits alive; compiled on CUDA, under 2^31 logits per chunk, so its kernels index in int32)."""
+    """Tokens per chunk of the vocab-parallel log-prob pass. None: on CPU (eager), ~256 MB of fp32
+    logits per chunk; on CUDA (compiled), under 2^31 logits per chunk, so its kernels index in int32."""
     fused_swiglu: bool = False
     """Megatron's fused SwiGLU (GPU only; ignored on CPU)."""
     routing_replay: bool = False

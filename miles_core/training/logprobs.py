@@ -93,7 +93,7 @@ def _kernel(name: str, eager):
 
 
 def _run(name: str, eager, compiled: bool, *args):
-    if compiled:
+    if compiled and "failed" not in _COMPILED:  # after one failure, the rest of the pass goes eager at once
         try:
             import torch._dynamo
 
@@ -110,6 +110,14 @@ def _run(name: str, eager, compiled: bool, *args):
     return eager(*args)
 
 
+def _default_chunk_rows(width: int, compiled: bool) -> int:
+    """Rows per chunk: eager, ~CHUNK_ELEMENTS fp32 logits alive; compiled, under
+    COMPILED_CHUNK_ELEMENTS logits, in multiples of 16 rows, so each chunk starts as aligned as
+    the logits do (Inductor copies an input it finds misaligned)."""
+    rows = max(1, (COMPILED_CHUNK_ELEMENTS if compiled else CHUNK_ELEMENTS) // width)
+    return rows - rows % 16 if compiled and rows >= 16 else rows
+
+
 class _VocabParallelLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature, vocab_size, with_entropy, chunk, group):
@@ -121,7 +129,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         in_range = (local >= 0) & (local < width)
         local = torch.where(in_range, local, torch.zeros_like(local))
         compiled = _use_compiled(logits)
-        chunk = chunk or max(1, (COMPILED_CHUNK_ELEMENTS if compiled else CHUNK_ELEMENTS) // width)
+        chunk = chunk or _default_chunk_rows(width, compiled)
         pieces = [_run("stats", _row_stats, compiled, logits[s:s + chunk], local[s:s + chunk],
                        in_range[s:s + chunk], temperature, valid, with_entropy) for s in range(0, n, chunk)]
         top, total, target, ex = (torch.cat(p) if len(pieces) > 1 else p[0] for p in zip(*pieces))
@@ -151,8 +159,8 @@ class _VocabParallelLogProb(torch.autograd.Function):
         args = lambda s: (logits[s:s + chunk], lse[s:s + chunk], mean_x[s:s + chunk], local[s:s + chunk],  # noqa: E731
                           in_range[s:s + chunk], g_logp[s:s + chunk], g_entropy[s:s + chunk], ctx.temperature,
                           ctx.valid, with_entropy)
-        if chunk >= n:
-            grad = _run("grad", _row_grad, ctx.compiled, *args(0))
+        if chunk >= n and not ctx.compiled:  # eager in one piece: its result is the gradient, no copy
+            grad = _row_grad(*args(0))
         else:
             grad = torch.empty_like(logits)
             for s in range(0, n, chunk):
