@@ -51,6 +51,14 @@ def stub_ray_if_missing() -> bool:
         return True
 
 
+def require_gpu(script: str) -> None:
+    """Exit with a one-line message where CUDA is absent: the GPU benches measure nothing on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"bench/{Path(script).name} needs a GPU")
+
+
 def kv_cache_shape(engine) -> str:
     """slots x columns of an EmbeddedEngine's slot cache (fewer slots than sequences: it decodes in rounds)."""
     cache = engine.slots.cache if engine.slots is not None else None

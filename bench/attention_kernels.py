@@ -28,7 +28,7 @@ import argparse
 import json
 import time
 
-from _common import QWEN3_06B_SHAPE, log
+from _common import QWEN3_06B_SHAPE, log, require_gpu
 
 
 def timed(run, iters: int) -> float:
@@ -128,8 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/attention_kernels.py needs a GPU")
+    require_gpu(__file__)
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def tensor(heads: int, grad: bool = True) -> torch.Tensor:

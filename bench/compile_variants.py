@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import log, rounded, setup_env, stub_ray_if_missing
+from _common import log, require_gpu, rounded, setup_env, stub_ray_if_missing
 
 VARIANTS = {  # Inductor config patch, torch.compile mode of the layers, logits per compiled log-prob chunk
     "default": ({}, None, None),
@@ -149,8 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from miles_core.training.megatron.model import init_parallel, shutdown_parallel
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/compile_variants.py needs a GPU")
+    require_gpu(__file__)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     created = init_parallel(1)  # nccl world of one: megatron's groups, and FSDP2's default group

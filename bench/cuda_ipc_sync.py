@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, foreach_copy_seconds, log, median, rounded, setup_env
+from _common import QWEN3_06B_SHAPE, foreach_copy_seconds, log, median, require_gpu, rounded, setup_env
 
 
 def serve(conn, shapes: dict[str, tuple[int, ...]], keep_alive: bool) -> None:
@@ -91,8 +91,7 @@ def main() -> None:
     from miles_core.rollout.sglang_client import SGLangClient
     from miles_core.sglang_ipc import send_weights_over_cuda_ipc
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/cuda_ipc_sync.py needs a GPU")
+    require_gpu(__file__)
     config = Qwen3Config(**{**QWEN3_06B_SHAPE, "num_hidden_layers": args.layers})
     state = {k: v for k, v in AutoModelForCausalLM.from_config(config).cuda().state_dict().items()
              if k != "lm_head.weight"}  # tied: the engine loads the embedding once

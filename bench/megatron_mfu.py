@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, log, rounded, setup_env, stub_ray_if_missing
+from _common import QWEN3_06B_SHAPE, log, require_gpu, rounded, setup_env, stub_ray_if_missing
 
 PEAK_FLOPS = 989e12
 
@@ -313,8 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
     began = time.perf_counter()
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/megatron_mfu.py needs a GPU")
+    require_gpu(__file__)
     import megatron.core
     import transformers
 

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, log, rounded, setup_env, stub_ray_if_missing
+from _common import QWEN3_06B_SHAPE, log, require_gpu, rounded, setup_env, stub_ray_if_missing
 from megatron_mfu import PEAK_FLOPS
 
 
@@ -119,8 +119,7 @@ def main() -> None:
     stub_ray_if_missing()
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/step_floors.py needs a GPU")
+    require_gpu(__file__)
     setup = bandwidth()
     result = {"bench": "step_floors", "device": torch.cuda.get_device_name(), "tokens": args.tokens,
               "bandwidth": setup, "logprob_pass": logprob_pass(args.tokens, setup["copy_tb_per_s"]),
