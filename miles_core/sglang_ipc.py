@@ -53,18 +53,10 @@ def bucket_layout(shapes: tuple[tuple[str, tuple[int, ...]], ...], dtype: torch.
     buckets every sync, and building ~300 entries costs more host time than the copy itself."""
     entries, numel = flat_layout(dict(shapes))
     size = dtype.itemsize
-    places = tuple((e.shape, _contiguous_strides(e.shape), e.offset) for e in entries)
+    places = tuple((e.shape, torch.empty(e.shape, device="meta").stride(), e.offset) for e in entries)
     metadata = tuple(SimpleNamespace(name=e.name, shape=torch.Size(e.shape), dtype=dtype, start_idx=e.offset * size,
                                      end_idx=(e.offset + e.numel) * size, numel=e.numel * size) for e in entries)
     return BucketLayout(numel, places, metadata)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= dim
-    return tuple(reversed(strides))
 
 
 def flatten_bucket(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> tuple[torch.Tensor, list]:
