@@ -13,6 +13,7 @@ interrupted upload leaves it at the previous good checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import os
@@ -191,7 +192,10 @@ class CheckpointUploader:
         self._failure: UploadFailed | None = None
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, name=f"checkpoint-upload-{run_key}", daemon=True)
+        # Prefect ties a log line to its run through context variables: the thread runs in the
+        # caller's context, so its lines join the task's logs instead of warning on each one.
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._work,),
+                                        name=f"checkpoint-upload-{run_key}", daemon=True)
         self._thread.start()
 
     def submit(self, step: int, local_checkpoint_dir: str | Path) -> None:

@@ -115,3 +115,5 @@ def test_progress_is_visible(finished_run):
     # a log file has no progress bar: a line every tracking.log_interval_steps steps (10) and at the end
     progress = [line for line in output.splitlines() if f"/{STEPS}  reward " in line and " step " in line]
     assert len(progress) == STEPS // 10 and f"step {STEPS}/{STEPS}  reward" in progress[-1], progress[-3:]
+    # the background upload's lines belong to the train task's run, not Prefect warnings
+    assert "uploaded checkpoint step" in output and "without a flow run id" not in output
