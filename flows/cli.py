@@ -36,6 +36,18 @@ STAGES = ["prepare-model", "prepare-data", "ensure-ray", "sft-warmup", "convert-
           "evaluate (before)", "train", "upload-artifacts", "evaluate (after)", "register-model", "promote (eval gate)"]
 
 
+# Read by huggingface_hub and transformers once, at import: set before the recipe's input checks
+# load a tokenizer, or a log file gets progress bars and library warnings.
+LIBRARY_DEFAULTS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                    "TOKENIZERS_PARALLELISM": "false"}
+
+
+def quiet_libraries() -> None:
+    """LIBRARY_DEFAULTS, where the environment does not set them already."""
+    for key, value in LIBRARY_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
 def local_environment(work_dir: str, ray_address: str | None = None) -> None:
     """Defaults for the embedded stack; anything already set in the environment wins.
 
@@ -55,11 +67,9 @@ def local_environment(work_dir: str, ray_address: str | None = None) -> None:
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false",
         "RAY_AUTH_MODE": "disabled" if ray_address or os.environ.get("RAY_ADDRESS") else "token",
         "RAY_USAGE_STATS_ENABLED": "0",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "TOKENIZERS_PARALLELISM": "false",
         "MLFLOW_ALLOW_FILE_STORE": "true",
     }
+    quiet_libraries()
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     if os.environ["RAY_AUTH_MODE"] == "token":
@@ -75,6 +85,7 @@ def local_environment(work_dir: str, ray_address: str | None = None) -> None:
 
 def _load(config: Path, overrides: list[str], check_inputs: bool = True) -> RunConfig:
     """The validated recipe, its inputs checked (miles_core.preflight); exit 2 with the reasons."""
+    quiet_libraries()
     from miles_core.preflight import preflight
 
     try:

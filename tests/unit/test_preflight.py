@@ -2,6 +2,9 @@
 every data row, rewards, lengths and the store, and name each problem at once (exit 2)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -60,3 +63,17 @@ def test_plan_and_run_exit_2_and_write_nothing(tmp_path):
         assert "train.jsonl:1: no 'label'" in " ".join(result.output.split())  # rich wraps long lines
     assert not work.exists()
     assert CliRunner().invoke(app, ["plan", RECIPE], terminal_width=200).exit_code == 0
+
+
+def test_the_checks_load_transformers_quietly(tmp_path):
+    """The input checks import transformers, which reads its progress-bar and verbosity settings
+    once: the CLI sets them first, so a run's log has no progress bars (a user's own setting wins)."""
+    code = ("import sys; from pathlib import Path; from flows import cli; "
+            f"cli._load(Path({RECIPE!r}), ['storage.work_dir={tmp_path}']); "
+            "assert 'transformers' in sys.modules; import transformers.utils.logging as t; "
+            "print(t.is_progress_bar_enabled(), t.get_verbosity())")
+    quiet = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_", "TOKENIZERS_"))}
+    for env, expected in ((quiet, "False 40"), (quiet | {"TRANSFORMERS_VERBOSITY": "info"}, "False 20")):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env | {"PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.stdout.split() == expected.split(), proc.stdout + proc.stderr[-2000:]
