@@ -93,15 +93,10 @@ def _mark_mlflow_failed(flow, flow_run, state) -> None:
         flow_run_logger(flow_run, flow).info("MLflow run %s marked FAILED", found[1])
 
 
-@flow(name="rl-posttrain", log_prints=True, on_cancellation=[_stop_driver_jobs],
-      on_failure=[_mark_mlflow_failed], on_crashed=[_mark_mlflow_failed])
-def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Override] | None = None,
-                 resume_from: str | None = None, run_dir: str | None = None) -> dict:
-    """RL post-training of one recipe, durable stage by stage; returns the run summary."""
-    cfg = load_config(config_path, overrides or [])
-    preflight(cfg)  # inputs usable: before any directory, MLflow run or Ray start
-    run_key = _run_key(resume_from, flow_run.id)
-    if resume_from and tracking.find_run(cfg, run_key) is None:  # before anything is written
+def _open_run_dir(cfg: RunConfig, run_key: str, resume_from: str | None, run_dir: str | None) -> Path:
+    """The run's local directory with its resolved config (secrets redacted, owner-only) and key.
+    A resume of a run MLflow does not know fails first, with nothing written."""
+    if resume_from and tracking.find_run(cfg, run_key) is None:
         known = ", ".join(tracking.recent_run_keys(cfg)) or "none"
         raise ValueError(f"resume_from={resume_from!r}: no run with this key in MLflow experiment "
                          f"{cfg.tracking.experiment_name!r} at {tracking.tracking_uri(cfg)} (latest run keys: {known}); "
@@ -112,6 +107,18 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Overri
     resolved.touch(mode=0o600)
     resolved.write_text(json.dumps(tracking.redact(cfg.model_dump(mode="json")), indent=1))
     (run_path / "RUN_KEY").write_text(run_key)
+    return run_path
+
+
+@flow(name="rl-posttrain", log_prints=True, on_cancellation=[_stop_driver_jobs],
+      on_failure=[_mark_mlflow_failed], on_crashed=[_mark_mlflow_failed])
+def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Override] | None = None,
+                 resume_from: str | None = None, run_dir: str | None = None) -> dict:
+    """RL post-training of one recipe, durable stage by stage; returns the run summary."""
+    cfg = load_config(config_path, overrides or [])
+    preflight(cfg)  # inputs usable: before any directory, MLflow run or Ray start
+    run_key = _run_key(resume_from, flow_run.id)
+    run_path = _open_run_dir(cfg, run_key, resume_from, run_dir)
     uri, mlflow_run = tracking.start_or_attach_run(cfg, run_key, {
         "miles.flow_run_id": str(flow_run.id), "miles.deployment": str(deployment.name or "none"),
         "miles.git_commit": ckpt.git_commit() or "unknown"})
