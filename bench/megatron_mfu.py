@@ -283,7 +283,7 @@ def sdpa_probe(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int) -
     return rows
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 16, 24])
     parser.add_argument("--seq", type=int, default=2048)
@@ -307,112 +307,125 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also both backends at the last batch size with AdamW's foreach implementation "
                              "(the trainers use fused=True on GPU)")
     parser.add_argument("--time-budget", type=float, default=0, help="seconds; skip what would start later")
-    args = parser.parse_args(argv)
-    setup_env()
-    stub_ray_if_missing()
-    began = time.perf_counter()
-    import torch
+    return parser.parse_args(argv)
 
-    require_gpu(__file__)
-    import megatron.core
-    import transformers
 
-    from miles_core.training.megatron.model import init_parallel, shutdown_parallel
+STEPS = {"megatron": megatron_step, "fsdp2_hf": hf_step}
 
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
 
-    def record(entry: dict) -> None:
-        if args.out is not None:
-            with open(args.out / "results.jsonl", "a") as fh:
+class MfuBench:
+    """Both backends' models and optimizers, built once on one GPU, and the configurations run on
+    them (each result logged, and appended to --out/results.jsonl as it comes)."""
+
+    def __init__(self, args: argparse.Namespace, began: float) -> None:
+        import torch
+
+        self.args, self.began, self.profiles = args, began, []
+        torch.backends.cuda.matmul.allow_tf32 = True
+        if args.static_shapes:
+            import torch._dynamo
+
+            torch._dynamo.config.automatic_dynamic_shapes = False
+        self.config = hf_config(args.layers, args.seq)
+        self.vocab = self.config.vocab_size
+        hf_model = build_hf(self.config, torch.bfloat16)
+        self.params = sum(p.numel() for p in hf_model.parameters())  # tied embedding counted once
+        self.attn_flops = attention_flops_per_token(self.config, args.seq)
+        if args.rope_per_layer:
+            import miles_core.training.megatron.rope as rope
+
+            rope.precompute_rope = lambda model: False
+        mg_model = build_megatron(self.config, hf_model, torch.bfloat16, args.fused_swiglu)
+        self.agreement = logits_agreement(hf_model, mg_model, self.vocab)
+        log(f"params {self.params / 1e6:.1f}M; megatron vs HF logits max rel diff {self.agreement:.3g}; "
+            f"built in {time.perf_counter() - began:.0f} s")
+        c = self.config
+        self.probe = (sdpa_probe(args.batch[0], args.seq, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+                      if args.sweep else [])
+        shard_as_fsdp_trainer(hf_model)
+        self.models = {"megatron": mg_model, "fsdp2_hf": hf_model}
+        self.optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
+                           for name, m in self.models.items()}
+
+    def time_left(self) -> bool:
+        return not self.args.time_budget or time.perf_counter() - self.began < self.args.time_budget
+
+    def record(self, entry: dict) -> None:
+        if self.args.out is not None:
+            with open(self.args.out / "results.jsonl", "a") as fh:
                 fh.write(json.dumps(rounded(entry)) + "\n")
 
-    def time_left() -> bool:
-        return not args.time_budget or time.perf_counter() - began < args.time_budget
-
-    torch.backends.cuda.matmul.allow_tf32 = True
-    if args.static_shapes:
-        import torch._dynamo
-
-        torch._dynamo.config.automatic_dynamic_shapes = False
-    dtype = torch.bfloat16
-    created = init_parallel(1)  # nccl world of one: megatron's groups, and FSDP2's default group
-    config = hf_config(args.layers, args.seq)
-    vocab = config.vocab_size
-    hf_model = build_hf(config, dtype)
-    params = sum(p.numel() for p in hf_model.parameters())  # tied embedding counted once
-    attn_flops = attention_flops_per_token(config, args.seq)
-    if args.rope_per_layer:
-        import miles_core.training.megatron.rope as rope
-
-        rope.precompute_rope = lambda model: False
-    mg_model = build_megatron(config, hf_model, dtype, args.fused_swiglu)
-    agreement = logits_agreement(hf_model, mg_model, vocab)
-    log(f"params {params / 1e6:.1f}M; megatron vs HF logits max rel diff {agreement:.3g}; "
-        f"built in {time.perf_counter() - began:.0f} s")
-    probe = sdpa_probe(args.batch[0], args.seq, config.num_attention_heads, config.num_key_value_heads,
-                       config.head_dim) if args.sweep else []
-    shard_as_fsdp_trainer(hf_model)
-    optimizers = {"megatron": torch.optim.AdamW(mg_model.parameters(), lr=1e-5, fused=True),
-                  "fsdp2_hf": torch.optim.AdamW(hf_model.parameters(), lr=1e-5, fused=True)}
-    models = {"megatron": mg_model, "fsdp2_hf": hf_model}
-    setters = {"megatron": set_megatron_compiled, "fsdp2_hf": set_hf_compiled}
-    steps = {"megatron": megatron_step, "fsdp2_hf": hf_step}
-    profiles, sweep = [], []
-
-    def configure(name: str, compiled: bool, compiled_logprobs: bool = True) -> None:
-        setters[name](models[name], compiled)
+    def configure(self, name: str, compiled: bool, compiled_logprobs: bool = True) -> None:
+        (set_megatron_compiled if name == "megatron" else set_hf_compiled)(self.models[name], compiled)
         os.environ["MILES_COMPILE_LOGPROBS"] = "1" if compiled_logprobs else "0"
 
-    def run_one(label: str, name: str, step, batch: int, sdpa: str = "default", prof: bool = False) -> dict:
-        result = measure(step, models[name], optimizers[name], batch, args.seq, vocab, args.steps, args.warmup,
-                         params, attn_flops, sdpa)
+    def run_one(self, label: str, name: str, step, batch: int, sdpa: str = "default", prof: bool = False) -> dict:
+        a, model, optimizer = self.args, self.models[name], self.optimizers[name]
+        result = measure(step, model, optimizer, batch, a.seq, self.vocab, a.steps, a.warmup, self.params,
+                         self.attn_flops, sdpa)
         result = {"config": label, "backend": name, **result}
         log(f"{label}: {rounded(result, 3)}")
-        record(result)
+        self.record(result)
         if prof and not result.get("oom"):
-            profiles.append(profile_step(step, models[name], optimizers[name], batch, args.seq, vocab, label,
-                                         args.out, sdpa))
-            record({"profile": profiles[-1]})
+            self.profiles.append(profile_step(step, model, optimizer, batch, a.seq, self.vocab, label, a.out, sdpa))
+            self.record({"profile": self.profiles[-1]})
         return result
 
-    if args.sweep:  # earlier configurations at the first batch size, eager layers first
-        b = args.batch[0]
+    def earlier_configurations(self) -> list[dict]:
+        """--sweep: eager layers with the log-prob paths that came before, at the first batch size."""
+        rows, batch = [], self.args.batch[0]
         for label, name, step, compiled_lp in (
                 ("megatron eager layers, eager chunked log-probs", "megatron", megatron_step, False),
                 ("megatron eager layers, compiled log-probs", "megatron", megatron_step, True),
                 ("fsdp2 eager layers, log_softmax fp32 logits", "fsdp2_hf", hf_step_log_softmax, True),
                 ("fsdp2 eager layers, compiled log-probs", "fsdp2_hf", hf_step, True)):
-            if time_left():
-                configure(name, False, compiled_lp)
-                sweep.append(run_one(label, name, step, b, prof=args.profile and "compiled log" not in label))
-    results: dict[str, list[dict]] = {name: [] for name in models}
-    for name in models:
-        configure(name, args.compile, True)
-    for i, batch in enumerate(args.batch):
-        for name in models:
-            if not time_left():
-                log(f"time budget spent: {name} batch {batch} skipped")
-                continue
-            label = f"{name} {'compiled' if args.compile else 'eager'} layers, sdpa {args.sdpa}"
-            results[name].append(run_one(label, name, steps[name], batch, args.sdpa, prof=args.profile and i == 0))
+            if self.time_left():
+                self.configure(name, False, compiled_lp)
+                rows.append(self.run_one(label, name, step, batch,
+                                         prof=self.args.profile and "compiled log" not in label))
+        return rows
 
-    if args.foreach_adamw_row:
-        for name in models:
+    def batch_sizes(self) -> dict[str, list[dict]]:
+        """Each batch size, the backends alternating, as the trainers run (compiled unless --no-compile)."""
+        a = self.args
+        results: dict[str, list[dict]] = {name: [] for name in self.models}
+        for name in self.models:
+            self.configure(name, a.compile, True)
+        for i, batch in enumerate(a.batch):
+            for name in self.models:
+                if not self.time_left():
+                    log(f"time budget spent: {name} batch {batch} skipped")
+                    continue
+                label = f"{name} {'compiled' if a.compile else 'eager'} layers, sdpa {a.sdpa}"
+                results[name].append(self.run_one(label, name, STEPS[name], batch, a.sdpa,
+                                                  prof=a.profile and i == 0))
+        return results
+
+    def foreach_adamw(self, results: dict[str, list[dict]]) -> list[dict]:
+        """--foreach-adamw-row: the last batch size that fit, with AdamW's foreach implementation."""
+        import torch
+
+        rows = []
+        for name, model in self.models.items():
             ok = [r for r in results[name] if not r.get("oom")]
-            if ok and time_left():
-                optimizers[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-5, foreach=True)
-                sweep.append(run_one(f"{name} {'compiled' if args.compile else 'eager'} layers, AdamW foreach",
-                                     name, steps[name], ok[-1]["batch"], args.sdpa))
+            if ok and self.time_left():
+                self.optimizers[name] = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+                rows.append(self.run_one(f"{name} {'compiled' if self.args.compile else 'eager'} layers, AdamW "
+                                         "foreach", name, STEPS[name], ok[-1]["batch"], self.args.sdpa))
+        return rows
+
+
+def summarize(bench: MfuBench, results: dict[str, list[dict]], sweep: list[dict]) -> dict:
+    import megatron.core
+    import torch
+    import transformers
 
     def best(name: str) -> dict | None:
         ok = [r for r in results[name] if not r.get("oom")]
         return max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
 
-    same_batch = {}
-    for mg, hf in zip(results["megatron"], results["fsdp2_hf"]):
-        if not mg.get("oom") and not hf.get("oom"):
-            same_batch[str(mg["batch"])] = mg["tokens_per_s"] / hf["tokens_per_s"]
+    same_batch = {str(mg["batch"]): mg["tokens_per_s"] / hf["tokens_per_s"]
+                  for mg, hf in zip(results["megatron"], results["fsdp2_hf"]) if not mg.get("oom") and not hf.get("oom")}
     best_mg, best_hf = best("megatron"), best("fsdp2_hf")
     try:
         from torch._dynamo.utils import counters
@@ -420,24 +433,43 @@ def main(argv: list[str] | None = None) -> dict:
         breaks = {k[:160]: v for k, v in counters["graph_break"].items()}
     except Exception:  # noqa: BLE001
         graphs, breaks = None, None
-    summary = {
-        "bench": "megatron_mfu", "device": torch.cuda.get_device_name(), "params": params, "seq": args.seq,
-        "layers": args.layers, "steps": args.steps, "dtype": "bfloat16", "peak_flops": PEAK_FLOPS,
-        "attn_flops_per_token": attn_flops, "compiled_layers": args.compile, "static_shapes": args.static_shapes,
-        "sdpa": args.sdpa,
-        "fused_swiglu": args.fused_swiglu, "rope_per_layer": args.rope_per_layer,
+    a = bench.args
+    return {
+        "bench": "megatron_mfu", "device": torch.cuda.get_device_name(), "params": bench.params, "seq": a.seq,
+        "layers": a.layers, "steps": a.steps, "dtype": "bfloat16", "peak_flops": PEAK_FLOPS,
+        "attn_flops_per_token": bench.attn_flops, "compiled_layers": a.compile, "static_shapes": a.static_shapes,
+        "sdpa": a.sdpa, "fused_swiglu": a.fused_swiglu, "rope_per_layer": a.rope_per_layer,
         "dynamo_graphs": graphs, "dynamo_graph_breaks": breaks,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "megatron_core": megatron.core.__version__},
-        "logits_max_rel_diff": agreement,
+        "logits_max_rel_diff": bench.agreement,
         "megatron": {"best": best_mg, "runs": results["megatron"]},
         "fsdp2_hf": {"best": best_hf, "runs": results["fsdp2_hf"]},
         "ratio_megatron_over_fsdp2_same_batch": same_batch,
         "ratio_megatron_over_fsdp2_best": (best_mg["tokens_per_s"] / best_hf["tokens_per_s"]
                                            if best_mg and best_hf else None),
-        "sweep": sweep, "sdpa_probe": probe, "profiles": profiles,
-        "wall_s": time.perf_counter() - began,
+        "sweep": sweep, "sdpa_probe": bench.probe, "profiles": bench.profiles,
+        "wall_s": time.perf_counter() - bench.began,
     }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    setup_env()
+    stub_ray_if_missing()
+    began = time.perf_counter()
+    require_gpu(__file__)
+    from miles_core.training.megatron.model import init_parallel, shutdown_parallel
+
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    created = init_parallel(1)  # nccl world of one: megatron's groups, and FSDP2's default group
+    bench = MfuBench(args, began)
+    sweep = bench.earlier_configurations() if args.sweep else []
+    results = bench.batch_sizes()
+    if args.foreach_adamw_row:
+        sweep += bench.foreach_adamw(results)
+    summary = summarize(bench, results, sweep)
     shutdown_parallel(created)
     log("summary: " + " | ".join(
         f"{r['config']} b{r['batch']}: " + ("OOM" if r.get("oom") else
