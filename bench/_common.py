@@ -59,6 +59,18 @@ def require_gpu(script: str) -> None:
         raise SystemExit(f"bench/{Path(script).name} needs a GPU")
 
 
+def start_gpu_bench(script: str, out_dir: Path | None = None) -> float:
+    """A single-GPU bench's start: quiet libraries, Ray stubbed where absent, CUDA required, the
+    --out folder made. Returns the start time (time.perf_counter) its time budget counts from."""
+    setup_env()
+    stub_ray_if_missing()
+    began = time.perf_counter()
+    require_gpu(script)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    return began
+
+
 def kv_cache_shape(engine) -> str:
     """slots x columns of an EmbeddedEngine's slot cache (fewer slots than sequences: it decodes in rounds)."""
     cache = engine.slots.cache if engine.slots is not None else None

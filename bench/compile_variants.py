@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import log, require_gpu, rounded, setup_env, stub_ray_if_missing
+from _common import log, rounded, start_gpu_bench
 
 VARIANTS = {  # Inductor config patch, torch.compile mode of the layers, logits per compiled log-prob chunk
     "default": ({}, None, None),
@@ -142,16 +142,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--time-budget", type=float, default=0, help="seconds; skip what would start later")
     args = parser.parse_args(argv)
-    setup_env()
-    stub_ray_if_missing()
-    began = time.perf_counter()
+    began = start_gpu_bench(__file__, args.out)
     import torch
 
     from miles_core.training.megatron.model import init_parallel, shutdown_parallel
 
-    require_gpu(__file__)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
     created = init_parallel(1)  # nccl world of one: megatron's groups, and FSDP2's default group
     config, models, optimizers, params = build(args.backends, args.seq)
     rows = []

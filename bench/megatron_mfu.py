@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, log, require_gpu, rounded, setup_env, stub_ray_if_missing
+from _common import QWEN3_06B_SHAPE, log, rounded, start_gpu_bench
 
 PEAK_FLOPS = 989e12
 
@@ -455,14 +455,9 @@ def summarize(bench: MfuBench, results: dict[str, list[dict]], sweep: list[dict]
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    setup_env()
-    stub_ray_if_missing()
-    began = time.perf_counter()
-    require_gpu(__file__)
+    began = start_gpu_bench(__file__, args.out)
     from miles_core.training.megatron.model import init_parallel, shutdown_parallel
 
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
     created = init_parallel(1)  # nccl world of one: megatron's groups, and FSDP2's default group
     bench = MfuBench(args, began)
     sweep = bench.earlier_configurations() if args.sweep else []

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, log, require_gpu, rounded, setup_env, stub_ray_if_missing
+from _common import QWEN3_06B_SHAPE, log, rounded, start_gpu_bench
 from megatron_mfu import PEAK_FLOPS
 
 
@@ -115,11 +115,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=32768)
     args = parser.parse_args()
-    setup_env()
-    stub_ray_if_missing()
+    start_gpu_bench(__file__)
     import torch
 
-    require_gpu(__file__)
     setup = bandwidth()
     result = {"bench": "step_floors", "device": torch.cuda.get_device_name(), "tokens": args.tokens,
               "bandwidth": setup, "logprob_pass": logprob_pass(args.tokens, setup["copy_tb_per_s"]),
