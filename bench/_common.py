@@ -51,21 +51,17 @@ def stub_ray_if_missing() -> bool:
         return True
 
 
-def require_gpu(script: str) -> None:
-    """Exit with a one-line message where CUDA is absent: the GPU benches measure nothing on CPU."""
+def start_gpu_bench(script: str, out_dir: Path | None = None) -> float:
+    """A single-GPU bench's start: quiet libraries, Ray stubbed where absent, the --out folder
+    made; where CUDA is absent, exit with one line (a GPU bench measures nothing on CPU).
+    Returns the start time (time.perf_counter) its time budget counts from."""
+    setup_env()
+    stub_ray_if_missing()
+    began = time.perf_counter()
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit(f"bench/{Path(script).name} needs a GPU")
-
-
-def start_gpu_bench(script: str, out_dir: Path | None = None) -> float:
-    """A single-GPU bench's start: quiet libraries, Ray stubbed where absent, CUDA required, the
-    --out folder made. Returns the start time (time.perf_counter) its time budget counts from."""
-    setup_env()
-    stub_ray_if_missing()
-    began = time.perf_counter()
-    require_gpu(script)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     return began

@@ -28,7 +28,7 @@ import argparse
 import json
 import time
 
-from _common import QWEN3_06B_SHAPE, log, require_gpu
+from _common import QWEN3_06B_SHAPE, log, start_gpu_bench
 
 
 def timed(run, iters: int) -> float:
@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--head-dim", type=int, default=QWEN3_06B_SHAPE["head_dim"])
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args(argv)
+    start_gpu_bench(__file__)
     import torch
 
-    require_gpu(__file__)
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def tensor(heads: int, grad: bool = True) -> torch.Tensor:

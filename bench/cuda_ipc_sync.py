@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, foreach_copy_seconds, log, median, require_gpu, rounded, setup_env
+from _common import QWEN3_06B_SHAPE, foreach_copy_seconds, log, median, rounded, start_gpu_bench
 
 
 def serve(conn, shapes: dict[str, tuple[int, ...]], keep_alive: bool) -> None:
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=QWEN3_06B_SHAPE["num_hidden_layers"])
     parser.add_argument("--http10", action="store_true", help="the receiver closes every connection (HTTP/1.0)")
     args = parser.parse_args()
-    setup_env()
+    start_gpu_bench(__file__)
     import torch
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -91,7 +91,6 @@ def main() -> None:
     from miles_core.rollout.sglang_client import SGLangClient
     from miles_core.sglang_ipc import send_weights_over_cuda_ipc
 
-    require_gpu(__file__)
     config = Qwen3Config(**{**QWEN3_06B_SHAPE, "num_hidden_layers": args.layers})
     state = {k: v for k, v in AutoModelForCausalLM.from_config(config).cuda().state_dict().items()
              if k != "lm_head.weight"}  # tied: the engine loads the embedding once

@@ -311,6 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 STEPS = {"megatron": megatron_step, "fsdp2_hf": hf_step}
+COMPILE_SETTERS = {"megatron": set_megatron_compiled, "fsdp2_hf": set_hf_compiled}
 
 
 class MfuBench:
@@ -356,7 +357,7 @@ class MfuBench:
                 fh.write(json.dumps(rounded(entry)) + "\n")
 
     def configure(self, name: str, compiled: bool, compiled_logprobs: bool = True) -> None:
-        (set_megatron_compiled if name == "megatron" else set_hf_compiled)(self.models[name], compiled)
+        COMPILE_SETTERS[name](self.models[name], compiled)
         os.environ["MILES_COMPILE_LOGPROBS"] = "1" if compiled_logprobs else "0"
 
     def run_one(self, label: str, name: str, step, batch: int, sdpa: str = "default", prof: bool = False) -> dict:
