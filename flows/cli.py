@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from miles_core.config import ConfigError, RunConfig, field_docs, load_config
+from miles_core.config.schema import choose_transport
 from miles_core.placement import describe, strategy
 
 app = typer.Typer(help="RL post-training as durable Prefect flows.", no_args_is_help=True,
@@ -111,10 +112,16 @@ def layout_rows(cfg: RunConfig) -> list[tuple[str, str]]:
                   f"<= {cfg.rollout.max_new_tokens} new tokens"),
         ("steps", f"{_warmup_steps(cfg)} SFT warm-up, {cfg.training.num_steps} {cfg.algorithm.name} steps, "
                   f"checkpoint every {cfg.checkpoint.interval_steps}"),
-        ("loop", f"{cfg.rollout.loop.kind}, weights by {cfg.rollout.weight_transport.kind}"),
+        ("loop", f"{cfg.rollout.loop.kind}, weights by {transport_text(cfg)}"),
         ("placement", f"{cfg.placement.layout}: {strategy(cfg)} placement group"),
         *describe(cfg),
     ]
+
+
+def transport_text(cfg: RunConfig) -> str:
+    """The transport and why: what `auto` chooses for this placement, or that the recipe chose another."""
+    kind, (best, reason) = cfg.rollout.weight_transport.kind, choose_transport(cfg)
+    return f"{kind} ({reason})" if kind == best else f"{kind} (set by the recipe; auto would choose {best}: {reason})"
 
 
 def _warmup_steps(cfg) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from functools import reduce
 from operator import or_
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator
@@ -50,6 +51,18 @@ class SGLangEngine(Section):
     server_module: str = "sglang.launch_server"
     """The module run as `python -m <module>`: SGLang's server. CI runs the launcher path with
     miles_core.rollout.http_server, the embedded engine behind the same flags."""
+    python: str | None = None
+    """The interpreter that runs the server: a separate environment's python (or a wrapper
+    script that sets one up) for sites that keep SGLang's pinned packages apart from this
+    project's. None: the engine actor's own interpreter."""
+
+    @field_validator("python")
+    @classmethod
+    def _python_is_absolute(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_absolute():
+            raise ValueError(f"rollout.engine.python must be an absolute path (got {value!r}): the engine "
+                             "actor runs on another node, where a relative path means something else")
+        return value
 
     @field_validator("server_args")
     @classmethod
@@ -60,6 +73,15 @@ class SGLangEngine(Section):
     def is_sglang(self) -> bool:
         """False when CI stands the embedded server in for SGLang (no GPU needed)."""
         return self.server_module.startswith("sglang.")
+
+
+class AutoTransport(Section):
+    """The fastest transport the placement allows, chosen when the recipe is loaded (`miles plan`
+    prints the choice and why): shared_memory (embedded) or cuda_ipc (SGLang) when trainer and
+    engines share one GPU, broadcast across GPUs (disk for SGLang engines with dp_size or
+    pp_size > 1), Ray's object store without GPUs."""
+
+    kind: Literal["auto"] = "auto"
 
 
 class ObjectStoreTransport(Section):
@@ -125,7 +147,7 @@ class FullyAsyncLoop(Section):
 
 
 EngineConfig = variants(EmbeddedEngine, SGLangEngine)
-TransportConfig = variants(ObjectStoreTransport, SharedMemoryTransport, BroadcastTransport, CudaIpcTransport,
+TransportConfig = variants(AutoTransport, ObjectStoreTransport, SharedMemoryTransport, BroadcastTransport, CudaIpcTransport,
                            DiskTransport)
 LoopConfig = variants(SyncLoop, OneStepOffLoop, FullyAsyncLoop)
 
@@ -193,10 +215,11 @@ class RolloutConfig(Section):
     its group (group statistics stay intact) and trains on no token."""
     group_filter: PluginPath | None = None
     """`module:function` taking a group's scored Samples, False to drop the group before training."""
-    weight_transport: TransportConfig = ObjectStoreTransport()
-    """How weights reach the engines after each step: `object_store` (Ray's, same node),
-    `shared_memory` (one buffer mapped by trainer and engines: same GPU or same machine),
-    `broadcast` (torch.distributed from the trainer) or `disk` (a shared HF directory)."""
+    weight_transport: TransportConfig = AutoTransport()
+    """How weights reach the engines after each step: `auto` (chosen from the placement),
+    `object_store` (Ray's, same node), `shared_memory` (one buffer mapped by trainer and engines:
+    same GPU or same machine), `cuda_ipc` (SGLang on the trainer's GPU), `broadcast`
+    (torch.distributed from the trainer) or `disk` (a shared HF directory)."""
     verify_weight_sync: bool = False
     """After each sync, compare a sha256 of engine and trainer weights (slow on big models)."""
     loop: LoopConfig = SyncLoop()

@@ -429,6 +429,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _sections_fit(self) -> RunConfig:
         """Checks that span sections, one per concern."""
+        self._choose_transport()
         self._groups_fit()
         self._off_policy_fits()
         self._engines_fit()
@@ -460,6 +461,13 @@ class RunConfig(Section):
                 and a.old_logprob_source == "trainer"):
             raise ValueError(f"rollout.loop={self.rollout.loop.kind} trains on off-policy samples: set "
                              "algorithm.correction.kind=tis (or icepop/mis) or algorithm.old_logprob_source=rollout")
+
+    def _choose_transport(self) -> None:
+        """Resolves `rollout.weight_transport: auto` to the fastest transport the placement allows."""
+        r = self.rollout
+        if r.weight_transport.kind != "auto":
+            return
+        r.weight_transport = {"kind": choose_transport(self)[0]}
 
     def _engines_fit(self) -> None:
         r = self.rollout
@@ -542,3 +550,23 @@ class RunConfig(Section):
         """Stable hash of the resolved config (recorded in manifests and MLflow tags)."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def choose_transport(cfg: RunConfig) -> tuple[str, str]:
+    """(transport kind, why) for `rollout.weight_transport: auto`. On a GPU the object store would
+    copy every weight through host memory (7-10 s a sync on a 0.6B model, against 13.5 ms for
+    shared_memory), so it is chosen only where no GPU is placed."""
+    r, t = cfg.rollout, cfg.training
+    real_sglang = r.engine.kind == "sglang" and r.engine.is_sglang
+    on_gpus = t.gpus_per_trainer > 0 and r.gpus_per_engine > 0
+    if (on_gpus and cfg.placement.layout == "colocated" and t.world_size == 1
+            and t.gpus_per_trainer + r.num_engines * r.gpus_per_engine <= 1):
+        kind = "cuda_ipc" if real_sglang else "shared_memory"
+        return kind, "trainer and engines share one GPU: the weights never leave it"
+    if r.engine.kind == "sglang":
+        if any(int(r.engine.server_args.get(arg) or 1) > 1 for arg in ("dp_size", "pp_size")):
+            return "disk", "SGLang takes no weight-update group under dp_size or pp_size > 1"
+        return "broadcast", "SGLang engines in processes of their own: a broadcast from the trainer"
+    if on_gpus:
+        return "broadcast", "trainer and engines on different GPUs: an NCCL broadcast from the trainer"
+    return "object_store", "no GPU placed: Ray's object store (shared memory on one node)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +46,8 @@ def launch_engine(engine: EngineConfig, model_dir: str, host: str, dtype: str, n
     if engine.kind == "sglang":
         server_args = {"dtype": dtype, "weight_version": INITIAL_WEIGHT_VERSION,
                        **engine.server_args, "tp_size": engine_tp_size(engine, gpus_per_engine)}
-        launcher = SGLangLauncher(model_dir, server_args, host=host, module=engine.server_module, api_key=api_key)
+        launcher = SGLangLauncher(model_dir, server_args, host=host, module=engine.server_module, api_key=api_key,
+                                  python=engine.python or sys.executable)
         launcher.start()
         return launcher
     from miles_core.rollout.http_server import serve  # torch and transformers: engine processes only

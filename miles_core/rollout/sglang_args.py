@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SGLANG_VERSIONS_CHECKED = ("0.5.16", "0.5.23")
+SGLANG_VERSIONS_CHECKED = ("0.5.16", "0.5.17", "0.5.23")
 
 # name -> True for a boolean flag (`--name`), False for an option taking a value (`--name v`).
 SERVER_ARGS: dict[str, bool] = {
@@ -27,7 +27,7 @@ SERVER_ARGS: dict[str, bool] = {
     "max_running_requests": False, "max_total_tokens": False, "page_size": False,
     "schedule_policy": False, "disable_radix_cache": True,
     # kernels and graphs
-    "attention_backend": False, "sampling_backend": False, "cuda_graph_max_bs_decode": False,
+    "attention_backend": False, "sampling_backend": False, "grammar_backend": False, "cuda_graph_max_bs_decode": False,
     "enable_torch_compile": True, "torch_compile_max_bs": False,
     # RL and operations
     "enable_return_routed_experts": True, "weight_version": False, "skip_server_warmup": True,
@@ -35,6 +35,8 @@ SERVER_ARGS: dict[str, bool] = {
 }
 # Set by the launcher itself (address, the model it was given, the API key from the environment).
 LAUNCHER_ARGS = ("model_path", "host", "port", "api_key")
+# "0.5.16, 0.5.17 and 0.5.23", for error messages.
+_VERSIONS_TEXT = ", ".join(SGLANG_VERSIONS_CHECKED[:-1]) + " and " + SGLANG_VERSIONS_CHECKED[-1]
 
 
 def check_server_args(server_args: dict[str, Any]) -> dict[str, Any]:
@@ -46,7 +48,7 @@ def check_server_args(server_args: dict[str, Any]) -> dict[str, Any]:
                              "rollout.engine.server_args")
         if key not in SERVER_ARGS:
             raise ValueError(f"unknown SGLang server arg {key!r} (--{key.replace('_', '-')}): not an exact, "
-                             f"non-deprecated option of sglang {' and '.join(SGLANG_VERSIONS_CHECKED)}; "
+                             f"non-deprecated option of sglang {_VERSIONS_TEXT}; "
                              f"allowed: {', '.join(sorted(SERVER_ARGS))}")
         if SERVER_ARGS[key] and not isinstance(value, bool):
             raise ValueError(f"SGLang server arg {key!r} is a flag: set it to true or false, not {value!r}")

@@ -155,7 +155,7 @@ class SGLangClient:
             time.sleep(interval)
 
     def model_info(self) -> dict[str, Any]:
-        # /get_model_info is a deprecated alias in SGLang 0.5.16 and 0.5.23.
+        # /get_model_info is a deprecated alias in SGLang 0.5.16, 0.5.17 and 0.5.23.
         return self._get_json("/model_info")
 
     def server_info(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ all) pure Python source. This script downloads the wheel with
 the ``.py`` members straight out of the zip, parses them with :mod:`ast`
 (sglang is never imported), and writes one deterministic JSON file:
 
-    python tests/contract/snapshot_sglang.py --versions 0.5.16 0.5.23 \
+    python tests/contract/snapshot_sglang.py --versions 0.5.16 0.5.17 0.5.23 \
         --out tests/contract/sglang_contract.json
 
 Per version it records:
@@ -24,6 +24,9 @@ Per version it records:
 * ``sampling_params``, ``meta_info``, ``weight_update_group_rank``,
   ``routed_experts`` and an ``rl_defaults`` digest, each finding with the
   ``file:line`` it came from.
+
+Across versions, ``cross_version`` has one entry per ordered pair ``"A->B"``
+(n versions give n*(n-1) entries; the keys are sorted in the output).
 
 Nothing here is copied from SGLang beyond names, literal defaults and short
 expression texts; help texts are reduced to a ``deprecated`` boolean.
@@ -1589,10 +1592,16 @@ def snapshot_version(version: str, cache_dir: str, offline: bool) -> dict[str, A
     }
 
 
+def _version_key(version: str) -> tuple:
+    """Numeric parts compare as numbers: "0.5.9" sorts before "0.5.16"."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"[.+-]", version))
+
+
 def cross_version(snaps: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """For each ordered pair: option strings of A not accepted verbatim by B."""
+    """For every ordered pair "A->B" of distinct versions (any number of versions):
+    the option strings of A that B does not accept verbatim, and A's routes that B lacks."""
     out = {}
-    vs = list(snaps)
+    vs = sorted(snaps, key=_version_key)
     for a in vs:
         for b in vs:
             if a == b:
@@ -1662,7 +1671,7 @@ def write_options(doc: dict[str, Any], path: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    ap.add_argument("--versions", nargs="+", default=["0.5.16", "0.5.23"])
+    ap.add_argument("--versions", nargs="+", default=["0.5.16", "0.5.17", "0.5.23"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "sglang_contract.json"))
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
     ap.add_argument("--offline", action="store_true", help="only use cached wheels")
@@ -1674,8 +1683,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.options_only:
         with open(args.out, encoding="utf-8") as fh:
             return write_options(json.load(fh), args.options_out or OPTIONS_FILE)
+    if len(set(args.versions)) != len(args.versions):
+        ap.error(f"--versions has duplicates: {args.versions}")
     snaps = {}
-    for v in args.versions:
+    for v in sorted(args.versions, key=_version_key):
         print(f"snapshotting sglang=={v}", file=sys.stderr)
         snaps[v] = snapshot_version(v, args.cache_dir, args.offline)
     doc = {

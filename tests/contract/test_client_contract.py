@@ -1,5 +1,5 @@
 """Our launcher, client and embedded server checked against SGLang's own source (the snapshot in
-sglang_contract.json, taken from the 0.5.16 and 0.5.23 wheels): every flag we can emit is an
+sglang_contract.json, taken from the 0.5.16, 0.5.17 and 0.5.23 wheels): every flag we can emit is an
 exact option, every payload key a real field of the route's request struct, defaults SGLang
 chooses differently from us are sent explicitly, and the stand-in serves SGLang's routes."""
 
@@ -149,7 +149,7 @@ def test_defaults_sglang_chooses_otherwise_are_sent(version, monkeypatch):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_a_distributed_update_runs_inside_a_session_where_sglang_has_them(version, monkeypatch):
     """SGLang 0.5.23 refuses update_weights_from_distributed outside begin/end_weight_update;
-    0.5.16 has neither route, and gets only the probe."""
+    0.5.16 and 0.5.17 have neither route, and get only the probe (a real 0.5.17 answers it 404)."""
     calls = _recorded_calls(monkeypatch, version)
     _drive_client(SGLangClient("http://sglang"))
     paths = [path for _, path, _ in calls]
@@ -189,6 +189,17 @@ def test_the_embedded_server_serves_sglang_routes(version):
         live = [r for r in sglang_routes[path] if not r.get("always_raises_http_status")]
         assert live, (version, path)
         assert set(route.methods) <= {m for r in live for m in r["methods"]}, (version, path)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_embedded_server_takes_sglang_pause_modes(version):
+    """The stand-in accepts exactly the modes of SGLang's PauseGenerationReqInput."""
+    from miles_core.rollout.http_server import PAUSE_MODES
+
+    [mode] = [f for f in SNAPSHOT["versions"][version]["io_structs"]["classes"]["PauseGenerationReqInput"]["fields"]
+              if f["name"] == "mode"]
+    assert mode["annotation"] == "Literal[" + ", ".join(json.dumps(m) for m in PAUSE_MODES) + "]", version
+    assert mode["value"] == "abort"
 
 
 def test_launcher_flags_parse_exactly():

@@ -20,7 +20,9 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 SNAPSHOT = HERE / "sglang_contract.json"
-VERSIONS = ["0.5.16", "0.5.23"]
+VERSIONS = ["0.5.16", "0.5.17", "0.5.23"]
+# The version that runs for real on the lent GPU machine (tests/gpu); the last to pin torch 2.11.0.
+GPU_VERSION = "0.5.17"
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +40,18 @@ def _field(ver: dict, cls: str, name: str) -> dict:
     return fields[name]
 
 
-def test_both_versions_present(snap):
+def test_all_versions_present(snap):
     assert sorted(snap["versions"]) == VERSIONS
     for v in VERSIONS:
         assert snap["versions"][v]["wheel"]["declared_version"] == v
+    assert GPU_VERSION in VERSIONS
+
+
+def test_cross_version_has_every_ordered_pair(snap):
+    assert sorted(snap["cross_version"]) == sorted(f"{a}->{b}" for a in VERSIONS for b in VERSIONS if a != b)
+    # 0.5.17 only adds options to 0.5.16: every 0.5.16 option string is still accepted verbatim.
+    assert snap["cross_version"]["0.5.16->0.5.17"] == {"options_not_exact_in_target": {},
+                                                       "routes_missing_in_target": []}
 
 
 # ---- server args ---------------------------------------------------------
@@ -82,8 +92,9 @@ def test_rl_launcher_flags_exist_in_both(ver):
     assert ver["key_flags"]["--disable-cuda-graph"]["deprecated"] is True
 
 
-def test_cuda_graph_max_bs(snap):
-    old = snap["versions"]["0.5.16"]["key_flags"]["--cuda-graph-max-bs"]
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.17"])
+def test_cuda_graph_max_bs(snap, version):
+    old = snap["versions"][version]["key_flags"]["--cuda-graph-max-bs"]
     assert old["exists"] is True
     assert old["deprecated"] is True
     assert old["dest"] == "cuda_graph_max_bs_decode"
@@ -97,6 +108,7 @@ def test_cuda_graph_max_bs(snap):
 
 def test_enable_dp_attention_deprecated_only_in_new(snap):
     assert snap["versions"]["0.5.16"]["key_flags"]["--enable-dp-attention"]["deprecated"] is False
+    assert snap["versions"]["0.5.17"]["key_flags"]["--enable-dp-attention"]["deprecated"] is False
     assert snap["versions"]["0.5.23"]["key_flags"]["--enable-dp-attention"]["deprecated"] is True
 
 
@@ -219,13 +231,94 @@ def test_deprecated_route_aliases(ver):
     assert dep["/get_server_info"] == ["/server_info"]
 
 
-def test_weight_version_route(snap):
-    old = snap["versions"]["0.5.16"]["routes"]["routes"]
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.17"])
+def test_weight_version_route(snap, version):
+    old = snap["versions"][version]["routes"]["routes"]
     # Registered, but the handler only raises 404 ("use /model_info").
     assert old["/weight_version"][0]["always_raises_http_status"] == 404
     assert old["/get_weight_version"][0]["always_raises_http_status"] == 404
     new = snap["versions"]["0.5.23"]["routes"]["routes"]
     assert "/weight_version" not in new and "/get_weight_version" not in new
+
+
+def _route(ver: dict, path: str) -> dict:
+    [route] = ver["routes"]["routes"][path]
+    assert not route["deprecated"] and not route.get("always_raises_http_status"), path
+    return route
+
+
+def _body(route: dict) -> str:
+    [param] = [p for p in route["params"] if p["annotation"].endswith(", Body()]")]
+    return param["annotation"].removeprefix("Annotated[").removesuffix(", Body()]")
+
+
+def _own_fields(ver: dict, cls: str) -> dict:
+    """The struct's own fields (BaseReq's rid / http_worker_ipc left out)."""
+    return {f["name"]: f for f in ver["io_structs"]["classes"][cls]["fields"] if "inherited_from" not in f}
+
+
+def _literal_values(annotation: str) -> list[str]:
+    """'Literal["abort", "retract"]' -> ["abort", "retract"]."""
+    assert annotation.startswith("Literal[") and annotation.endswith("]"), annotation
+    return json.loads("[" + annotation.removeprefix("Literal[").removesuffix("]") + "]")
+
+
+@pytest.mark.parametrize(("path", "cls"), [("/release_memory_occupation", "ReleaseMemoryOccupationReqInput"),
+                                           ("/resume_memory_occupation", "ResumeMemoryOccupationReqInput")])
+def test_memory_occupation_routes(ver, path, cls):
+    """The client POSTs {"tags": [...]} (weights / kv_cache) to release and resume memory."""
+    route = _route(ver, path)
+    assert route["methods"] == ["GET", "POST"]
+    assert _body(route) == cls
+    assert ver["io_structs"]["classes"][cls]["kind"] == "msgspec.Struct"
+    tags = _own_fields(ver, cls)
+    assert list(tags) == ["tags"]
+    assert tags["tags"]["annotation"] == "Optional[List[str]]"
+    assert tags["tags"]["value"] is None and tags["tags"]["required"] is False
+
+
+def test_pause_generation_modes(ver):
+    route = _route(ver, "/pause_generation")
+    assert route["methods"] == ["POST"]
+    assert _body(route) == "PauseGenerationReqInput"
+    fields = _own_fields(ver, "PauseGenerationReqInput")
+    assert list(fields) == ["mode"]
+    assert _literal_values(fields["mode"]["annotation"]) == ["abort", "retract", "in_place"]
+    assert fields["mode"]["value"] == "abort"
+    resume = _route(ver, "/continue_generation")
+    assert resume["methods"] == ["POST"] and _body(resume) == "ContinueGenerationReqInput"
+    # Every field has a default, so the client's empty body {} is a valid request.
+    assert all(not f["required"] for f in ver["io_structs"]["classes"]["ContinueGenerationReqInput"]["fields"])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_weight_update_sessions_only_in_newest(snap, version):
+    """/begin_weight_update and /end_weight_update are new in 0.5.23; a real 0.5.17 server
+    answered 404 to /begin_weight_update, which the client reads as "no sessions here"."""
+    ver = snap["versions"][version]
+    routes = ver["routes"]["routes"]
+    if version == "0.5.23":
+        begin = _route(ver, "/begin_weight_update")
+        assert begin["methods"] == ["POST"] and _body(begin) == "BeginWeightUpdateReqInput"
+        selector = _own_fields(ver, "BeginWeightUpdateReqInput")["selector"]
+        assert _literal_values(selector["annotation"]) == ["target", "draft", "all"]
+        assert selector["value"] == "all"
+        end = _route(ver, "/end_weight_update")
+        assert end["methods"] == ["POST"] and _body(end) == "EndWeightUpdateReqInput"
+        assert _own_fields(ver, "EndWeightUpdateReqInput") == {}
+    else:
+        assert "/begin_weight_update" not in routes and "/end_weight_update" not in routes
+        missing = snap["cross_version"][f"0.5.23->{version}"]["routes_missing_in_target"]
+        assert {"/begin_weight_update", "/end_weight_update"} <= set(missing)
+
+
+@pytest.mark.parametrize("flag", ["--enable-memory-saver", "--enable-deterministic-inference"])
+def test_rl_flags_are_exact_current_flags(ver, flag):
+    entry = ver["key_flags"][flag]
+    assert entry["exists"] is True
+    assert entry["resolution"] == {"option": flag, "registered_as": flag, "result": "exact"}
+    assert entry["flag"] is True and entry["deprecated"] is False and entry["default"] is False
+    assert entry["dest"] == flag.removeprefix("--").replace("-", "_")
 
 
 # ---- sampling params / meta_info / rank / routed experts ---------------------
@@ -243,6 +336,10 @@ def test_sampling_seed(ver):
     assert batch["otherwise"] == "None"
     assert batch["seed_when_request_has_none"] == 42
     assert "enable_deterministic_inference" in sp["sampling_seed_batching"]["gate"]["expr"]
+    # 0.5.23 checks /generate bodies against its generated contract first: the seed is declared there.
+    contract = (ver["api_contract"] or {}).get("classes", {}).get("SamplingParams")
+    if contract is not None:
+        assert contract["fields"]["sampling_seed"] == {"value": None}
 
 
 def test_meta_info_keys(ver):
@@ -261,6 +358,7 @@ def test_meta_info_keys(ver):
 
 def test_weight_versions_span_key_is_new(snap):
     assert "weight_versions" not in snap["versions"]["0.5.16"]["meta_info"]["keys"]
+    assert "weight_versions" not in snap["versions"]["0.5.17"]["meta_info"]["keys"]
     assert "weight_versions" in snap["versions"]["0.5.23"]["meta_info"]["keys"]
 
 

@@ -61,7 +61,7 @@ def test_hf_source_shape_and_sglang_needs_gpu():
     with pytest.raises(ConfigError, match="gpus_per_engine"):
         build_config({"rollout": {"engine": "sglang", "weight_transport": "broadcast"}})
     with pytest.raises(ConfigError, match="weight_transport=broadcast"):
-        build_config({"rollout": {"engine": "sglang", "gpus_per_engine": 1}})
+        build_config({"rollout": {"engine": "sglang", "gpus_per_engine": 1, "weight_transport": "object_store"}})
     with pytest.raises(ConfigError, match="shared_memory transport cannot reach"):
         build_config({"rollout": {"engine": "sglang", "gpus_per_engine": 1, "weight_transport": "shared_memory"}})
 
@@ -100,10 +100,41 @@ def test_cuda_ipc_transport_needs_sglang_beside_the_trainer_on_one_gpu():
         build_config({}, ["rollout.engine=sglang", "rollout.weight_transport=broadcast", "rollout.gpus_per_engine=0.5"])
 
 
+@pytest.mark.parametrize(("overrides", "chosen", "slower"), [
+    ([], "object_store", "disk"),  # no GPU placed
+    (["training.gpus_per_trainer=0.5", "rollout.gpus_per_engine=0.4", "placement.layout=colocated"], "shared_memory",
+     "object_store"),
+    (["training.gpus_per_trainer=0.5", "rollout.gpus_per_engine=0.4", "placement.layout=colocated",
+      "rollout.engine=sglang"], "cuda_ipc", None),
+    (["training.gpus_per_trainer=1", "rollout.gpus_per_engine=1"], "broadcast", "object_store"),
+    (["training.gpus_per_trainer=1", "rollout.gpus_per_engine=1", "rollout.engine=sglang"], "broadcast", "disk"),
+    (["training.gpus_per_trainer=1", "rollout.gpus_per_engine=2",
+      "rollout.engine={kind: sglang, server_args: {dp_size: 2}}"], "disk", None),
+])
+def test_auto_transport_is_the_fastest_the_placement_allows(overrides, chosen, slower):
+    """The default: a GPU user who keeps it never gets the object store's trip through host memory."""
+    from flows.cli import transport_text
+
+    cfg = build_config({}, overrides)
+    assert cfg.rollout.weight_transport.kind == chosen
+    assert build_config({}, [*overrides, f"rollout.weight_transport={chosen}"]) == cfg
+    assert transport_text(cfg).startswith(f"{chosen} (") and "auto would choose" not in transport_text(cfg)
+    if slower:  # `miles plan` says when a recipe picks another transport than auto would
+        assert f"auto would choose {chosen}" in transport_text(
+            build_config({}, [*overrides, f"rollout.weight_transport={slower}"]))
+
+
+def test_sglang_python_must_be_absolute():
+    cfg = build_config({}, ["rollout.engine={kind: sglang, python: /opt/sglang/bin/python}", "rollout.gpus_per_engine=1"])
+    assert cfg.rollout.engine.python == "/opt/sglang/bin/python"
+    with pytest.raises(ConfigError, match="rollout.engine.sglang.python.*absolute path"):
+        build_config({}, ["rollout.engine={kind: sglang, python: venv/bin/python}", "rollout.gpus_per_engine=1"])
+
+
 def test_sglang_server_args_and_sync_checks_fail_at_validation():
     sglang = {"engine": {"kind": "sglang", "server_args": {"cuda_graph_max_bs": 8}}, "gpus_per_engine": 1,
               "weight_transport": "broadcast"}
-    with pytest.raises(ConfigError, match=r"rollout.engine.sglang.server_args.*'cuda_graph_max_bs'.*0.5.16 and 0.5.23"):
+    with pytest.raises(ConfigError, match=r"rollout.engine.sglang.server_args.*'cuda_graph_max_bs'.*0.5.16, 0.5.17 and 0.5.23"):
         build_config({"rollout": sglang})
     sglang["engine"]["server_args"] = {"tp_size": 2}
     assert build_config({"rollout": sglang}).rollout.engine.server_args == {"tp_size": 2}

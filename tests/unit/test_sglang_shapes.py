@@ -211,7 +211,7 @@ def test_server_arg_flags():
 
 
 @pytest.mark.parametrize("args, message", [
-    ({"made_up_option": 1}, "unknown SGLang server arg 'made_up_option'.*0.5.16 and 0.5.23"),
+    ({"made_up_option": 1}, "unknown SGLang server arg 'made_up_option'.*0.5.16, 0.5.17 and 0.5.23"),
     ({"cuda_graph_max_bs": 8}, "unknown SGLang server arg 'cuda_graph_max_bs'"),  # gone in 0.5.23
     ({"disable_cuda_graph": True}, "unknown SGLang server arg 'disable_cuda_graph'"),  # deprecated
     ({"port": 1}, "'port' is set by the launcher"),
