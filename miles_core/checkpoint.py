@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -35,6 +36,11 @@ def check_run_key(run_key: str) -> str:
 
 log = logging.getLogger(__name__)
 MANIFEST = "MANIFEST.json"
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint whose loading could run code (a pickle beyond plain data, a bytes item that
+    would be unpickled). Never retried: the same files fail the same way."""
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:

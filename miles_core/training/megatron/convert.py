@@ -12,9 +12,10 @@ torch_dist checkpoints are layout-independent on load (a TP=1 save loads at TP=2
 
 Loading note: dist_checkpointing's torch_dist load goes through torch.distributed.checkpoint,
 whose FileSystemReader reads ``.metadata`` with ``pickle.load``; we run it through a restricted
-unpickler (safe_metadata.py) that builds only DCP's metadata classes. ShardedObjects (BYTE_IO
-items) would be read with ``torch.load(weights_only=False)``: we never write them (the local
-spec's ``_extra_state`` entries are None and are dropped). ``common.pt`` is read with
+unpickler (safe_metadata.py) that builds only DCP's metadata classes. BYTE_IO items (ShardedObjects)
+would be read with ``torch.load(weights_only=False)``: we never write them (the local spec's
+``_extra_state`` entries are None and are dropped), and metadata declaring any is refused before
+the load is planned. ``common.pt`` is read with
 torch.load's default (weights_only=True, with megatron's safe globals), and
 :func:`load_model_checkpoint` verifies the MANIFEST sha256 of every file before loading.
 """
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from miles_core.checkpoint import sha256_file
-from miles_core.training.megatron.safe_metadata import restricted_metadata_loading
+from miles_core.training.megatron.safe_metadata import read_metadata, restricted_metadata_loading
 
 CONVERTER_VERSION = "miles-megatron-torch_dist-v1"
 MANIFEST = "MANIFEST.json"
@@ -125,6 +126,9 @@ def save_sharded(sharded_state_dict: dict, directory: str | Path) -> None:
 def load_sharded(sharded_state_dict: dict, directory: str | Path) -> dict:
     from megatron.core import dist_checkpointing
 
+    # Read and checked once here so a refusal reaches the caller as it is, not wrapped in DCP's
+    # per-rank CheckpointException; the load below reads it through the same check again.
+    read_metadata(directory)
     with restricted_metadata_loading():
         return dist_checkpointing.load(sharded_state_dict, str(directory))
 
