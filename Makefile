@@ -6,10 +6,10 @@ CONFIG ?= configs/local.yaml
 
 .PHONY: install run lint test test-unit test-e2e plan clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml constraints/cpu.txt constraints/common.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test]" -c constraints/cpu.txt
 	touch $@
 
 install: $(BIN)/.installed

@@ -2,7 +2,9 @@
 flow-run pod) and a KubeRay RayJob (a Ray cluster that runs one training driver session,
 `miles_core.driver`, from a TrainSpec file on a shared volume mounted at /run).
 
-    miles k8s render configs/qwen3-4b-grpo-dapo.yaml --image registry/miles:0.1.0 --out-dir infra/k8s
+    miles k8s render configs/qwen3-4b-grpo-dapo.yaml --image ghcr.io/example/miles:0.1.0 --out-dir infra/k8s
+
+The image (DEFAULT_IMAGE unless --image says otherwise) is the one infra/Dockerfile builds.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import yaml
 from miles_core.config import RunConfig, load_config
 
 GPUS_PER_NODE = 8
+# What infra/Dockerfile is built and tagged as (tests/unit/test_cluster_install.py checks they agree).
+DEFAULT_IMAGE = "ghcr.io/example/miles:0.1.0"
 k8s_app = typer.Typer(help="Render Kubernetes manifests (Prefect work pool, KubeRay RayJob).", no_args_is_help=True)
 
 
@@ -87,7 +91,7 @@ def rayjob(cfg: RunConfig, image: str, namespace: str, run_key: str) -> dict:
 
 @k8s_app.command("render")
 def render(config: Path = typer.Argument(..., help="recipe YAML"),
-           image: str = typer.Option("ghcr.io/example/miles:0.1.0", help="container image"),
+           image: str = typer.Option(DEFAULT_IMAGE, help="container image (infra/Dockerfile)"),
            namespace: str = typer.Option("ml", help="Kubernetes namespace"),
            run_key: str = typer.Option("example", help="run key baked into the RayJob name"),
            out_dir: Path = typer.Option(Path("infra/k8s"), help="where to write the manifests")) -> None:
