@@ -170,6 +170,7 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
     """Run the rl-posttrain flow in this process (ephemeral Prefect, local Ray unless configured)."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     cfg = _load(config, set_)
+    _check_run_target(cfg, run_dir, resume)
     local_environment(cfg.storage.work_dir, cfg.placement.ray_address)
     from flows.rl_posttrain import rl_posttrain  # imports Prefect/Ray only when running
 
@@ -180,6 +181,20 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
         console.print(f"[red]run failed: {type(exc).__name__}: {exc}[/red]", soft_wrap=True)
         raise typer.Exit(1) from None
     print_summary(summary)
+
+
+def _check_run_target(cfg: RunConfig, run_dir: Path | None, resume: str | None) -> None:
+    """Exit 2 with one message when the run directory holds another run's files, before Prefect
+    starts (and records a flow run). The flow checks again: deployments do not come here."""
+    from miles_core.checkpoint import check_run_dir
+
+    path = run_dir or (cfg.storage.work_path / "runs" / resume if resume else None)
+    try:
+        if path is not None:
+            check_run_dir(path.resolve(), resume)  # a new run's key is not drawn yet: None
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 def _exit_on_sigterm(signum: int, _frame) -> None:

@@ -94,19 +94,21 @@ def _mark_mlflow_failed(flow, flow_run, state) -> None:
 
 
 def _open_run_dir(cfg: RunConfig, run_key: str, resume_from: str | None, run_dir: str | None) -> Path:
-    """The run's local directory with its resolved config (secrets redacted, owner-only) and key.
-    A resume of a run MLflow does not know fails first, with nothing written."""
+    """The run's local directory with its key and resolved config (secrets redacted, owner-only).
+    A resume of a run MLflow does not know, or a directory holding another run's (or anything
+    else's) files, fails first, with nothing written."""
     if resume_from and tracking.find_run(cfg, run_key) is None:
         known = ", ".join(tracking.recent_run_keys(cfg)) or "none"
         raise ValueError(f"resume_from={resume_from!r}: no run with this key in MLflow experiment "
                          f"{cfg.tracking.experiment_name!r} at {tracking.tracking_uri(cfg)} (latest run keys: {known}); "
                          "check the key or drop --resume to start a new run")
     run_path = Path(run_dir).resolve() if run_dir else cfg.storage.work_path / "runs" / run_key
+    ckpt.check_run_dir(run_path, run_key)
     run_path.mkdir(parents=True, exist_ok=True)
+    (run_path / ckpt.RUN_KEY_FILE).write_text(run_key)  # first: any file in the directory is this run's
     resolved = run_path / "config.resolved.json"
     resolved.touch(mode=0o600)
     resolved.write_text(json.dumps(tracking.redact(cfg.model_dump(mode="json")), indent=1))
-    (run_path / "RUN_KEY").write_text(run_key)
     return run_path
 
 

@@ -118,7 +118,8 @@ def run_training(spec: TrainSpec, on_step: Callable[[LoopState], None] | None = 
     try:
         with tracking.system_metrics(spec.mlflow_uri, spec.mlflow_run_id, cfg.tracking.system_metrics_interval_seconds):
             run = TrainingRun.open(cfg, spec.run_dir, spec.model_dir, spec.train_path, eval_path=spec.eval_path,
-                                   teacher_dir=spec.teacher_dir, megatron_dir=spec.megatron_dir, hooks=hooks)
+                                   teacher_dir=spec.teacher_dir, megatron_dir=spec.megatron_dir, hooks=hooks,
+                                   run_key=spec.run_key)
             try:
                 state, resumed_from = run.resume()
                 if resumed_from is not None:  # a kill may have beaten its upload; a stored one is skipped

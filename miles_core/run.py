@@ -99,11 +99,13 @@ class TrainingRun:
     transport: WeightTransport
     evaluator: PeriodicEvaluator
     hooks: RunHooks = field(default_factory=RunHooks)
+    run_key: str | None = None
+    """Recorded in each checkpoint; only checkpoints of this key (and config) are resumed."""
 
     @classmethod
     def open(cls, cfg: RunConfig, run_dir: str | Path, model_dir: str, train_path: str, *,
              eval_path: str | None = None, teacher_dir: str | None = None, megatron_dir: str | None = None,
-             hooks: RunHooks | None = None) -> TrainingRun:
+             hooks: RunHooks | None = None, run_key: str | None = None) -> TrainingRun:
         run_dir = Path(run_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         source = PromptSource(read_prompts(train_path, cfg.data, tokenizer), seed=cfg.seed)
@@ -124,7 +126,8 @@ class TrainingRun:
                 kill_trainer(trainer)
             layout.release()
             raise
-        return cls(cfg, run_dir, tokenizer, source, layout, trainer, engines, transport, evaluator, hooks or RunHooks())
+        return cls(cfg, run_dir, tokenizer, source, layout, trainer, engines, transport, evaluator, hooks or RunHooks(),
+                   run_key)
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -133,15 +136,21 @@ class TrainingRun:
     def push_weights(self, version: int) -> dict[str, float]:
         return self.transport.push(self.trainer, self.engines.targets(), version)
 
+    @property
+    def identity(self) -> ckpt.RunIdentity:
+        return ckpt.RunIdentity.of(self.run_key, self.cfg)
+
     def resume(self) -> tuple[LoopState, int | None]:
         """The state after the latest complete checkpoint (restored into trainer, data source
         and engines), and its step; a fresh state and None when there is none. Checkpoints
-        after it (incomplete, or from a diverged attempt) are discarded."""
+        after it (incomplete, or from a diverged attempt) are discarded. A checkpoint of another
+        run key or config is refused, before anything is discarded."""
         latest = ckpt.latest_complete_checkpoint(self.checkpoints_dir)
         if latest is None:
             ckpt.discard_after(self.checkpoints_dir, -1)
             return LoopState(), None
         step, path = latest
+        ckpt.check_resumable(path, self.identity, self.cfg.digest())
         ckpt.discard_after(self.checkpoints_dir, step)
         extra = ray.get(self.trainer.load_state.remote(str(path)))
         self.source.load_state_dict(extra["data"])
@@ -157,7 +166,7 @@ class TrainingRun:
         def write(staging: Path) -> None:
             ray.get(self.trainer.save_state.remote(str(staging), extra))
 
-        path = ckpt.write_checkpoint(self.checkpoints_dir, state.step, self.cfg.digest(), write)
+        path = ckpt.write_checkpoint(self.checkpoints_dir, state.step, self.cfg.digest(), write, self.identity)
         ckpt.prune(self.checkpoints_dir, self.cfg.checkpoint.keep_latest)
         return path
 
