@@ -169,6 +169,7 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
         resume: str | None = typer.Option(None, "--resume", help="run key to resume from its latest checkpoint")) -> None:
     """Run the rl-posttrain flow in this process (ephemeral Prefect, local Ray unless configured)."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _refuse_secret_overrides(set_)
     cfg = _load(config, set_)
     _check_run_target(cfg, run_dir, resume)
     local_environment(cfg.storage.work_dir, cfg.placement.ray_address)
@@ -181,6 +182,20 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
         console.print(f"[red]run failed: {type(exc).__name__}: {exc}[/red]", soft_wrap=True)
         raise typer.Exit(1) from None
     print_summary(summary)
+
+
+def _refuse_secret_overrides(overrides: list[str]) -> None:
+    """Exit 2 on a --set value that looks like a secret: it becomes a flow parameter, which
+    Prefect stores (a deployment's schema refuses the same ones)."""
+    from miles_core.redaction import secret_in_override
+
+    found = [o.split("=", 1)[0] for o in overrides if secret_in_override(o)]
+    if found:
+        console.print(f"[red]--set {', '.join(found)}: the value looks like it holds a secret (a secret-named key, "
+                      "URL credentials, or a token/password in a query string or command), and --set values are "
+                      "stored as flow parameters. Secrets come from the environment (HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...; "
+                      "an eval command or service reads its own token from there): drop it from --set[/red]", soft_wrap=True)
+        raise typer.Exit(2)
 
 
 def _check_run_target(cfg: RunConfig, run_dir: Path | None, resume: str | None) -> None:

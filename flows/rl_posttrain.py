@@ -12,7 +12,7 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import deployment, flow_run
 
 from miles_core import checkpoint as ckpt
-from miles_core import ray_jobs, reports, tracking
+from miles_core import ray_jobs, redaction, reports, storage, tracking
 from miles_core.artifacts import ModelArtifact
 from miles_core.config import Override, RunConfig, load_config
 from miles_core.driver import TrainSpec
@@ -106,9 +106,8 @@ def _open_run_dir(cfg: RunConfig, run_key: str, resume_from: str | None, run_dir
     ckpt.check_run_dir(run_path, run_key)
     run_path.mkdir(parents=True, exist_ok=True)
     (run_path / ckpt.RUN_KEY_FILE).write_text(run_key)  # first: any file in the directory is this run's
-    resolved = run_path / "config.resolved.json"
-    resolved.touch(mode=0o600)
-    resolved.write_text(json.dumps(tracking.redact(cfg.model_dump(mode="json")), indent=1))
+    storage.write_private_text(run_path / "config.resolved.json",
+                               json.dumps(tracking.redact(cfg.model_dump(mode="json")), indent=1))
     return run_path
 
 
@@ -181,6 +180,9 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Overri
         "reward_curve": reward_curve, "periodic_eval": periodic,
         "timings": timer.seconds,
     }
+    # Its URIs come from the config (store, tracking, data): credentials in them stay out of the
+    # file, the printed summary and the flow's result.
+    summary = redaction.redact(summary, by_name=False)
     (run_path / "summary.json").write_text(json.dumps(summary, indent=1))
     tracking.finish(uri, mlflow_run, "FINISHED")
     return summary

@@ -36,6 +36,8 @@ import requests
 from rich.console import Console
 
 from miles_core.net import free_ports
+from miles_core.redaction import is_secret_name, redact_text
+from miles_core.storage import write_private_text
 
 DEFAULT_STATE_DIR = Path(".miles/stack")
 ALL_SERVICES = ("s3", "prefect", "mlflow", "ray", "worker")  # launch order
@@ -49,7 +51,6 @@ HEARTBEAT_SECONDS = 60
 automation fires after three missed beats."""
 BUCKETS = ("miles", "mlflow-artifacts")
 REGION = "us-east-1"
-SECRET_WORDS = ("SECRET", "TOKEN", "PASSWORD", "KEY_ID")
 # Ray puts unix sockets under <temp>/session_<date>_<pid>/sockets/; AF_UNIX paths stop at 107 bytes.
 RAY_TEMP_MAX = 38
 
@@ -103,18 +104,16 @@ def _write_env_file(sd: Path, env: dict[str, str]) -> None:
     lines = ["# Written by `miles stack up`: source it to reach the local stack.",
              "# The S3 credentials are fake, generated for this stack, and only valid against it."]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
-    path = sd / "env"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_private_text(sd / "env", "\n".join(lines) + "\n")
 
 
 CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "RAY_AUTH_TOKEN")
 
 
 def mask_env(env: dict[str, str]) -> dict[str, str]:
-    """Values of secret-looking keys replaced, so that status output never shows them."""
-    return {k: ("****" if any(w in k for w in SECRET_WORDS) else v) for k, v in env.items()}
+    """Values of secret-looking keys (and secrets inside the other values, such as a URL's
+    credentials) replaced, so that status output never shows them."""
+    return {k: ("****" if is_secret_name(k) else redact_text(v)) for k, v in env.items()}
 
 
 def _credentials(sd: Path) -> dict[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -20,6 +21,16 @@ S3_REQUEST_ATTEMPTS = 2
 
 class UploadVerificationError(InfrastructureError, IOError):
     """The stored object differs from the local file (size or sha256)."""
+
+
+def write_private_text(path: str | Path, text: str) -> None:
+    """Write text to a file only its owner can read (0600), whatever mode it had: open with
+    O_CREAT sets the mode of a new file only, so an existing one is changed before any text
+    is written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        os.fchmod(fd, 0o600)
+        fh.write(text)
 
 
 def filesystem(uri: str, timeout_seconds: float | None = None) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,20 +16,11 @@ from mlflow.utils.validation import MAX_METRICS_PER_BATCH
 
 from miles_core.checkpoint import check_run_key, step_dir_name
 from miles_core.config import RunConfig
+from miles_core.redaction import redact, redact_text
 
 RUN_KEY_TAG = "miles.run_key"
 CONFIG_ARTIFACT = "config/resolved.json"
 CONFIG_LOGGED_TAG = "miles.config_logged"
-# A field holds a secret when a word of its name (split at _ - . and spaces, any case) is one of
-# these: api-key, apikey, private_key, passwd, authorization, credentials, HF_TOKEN,
-# aws_secret_access_key, ... ("max_new_tokens" is a count, not a token).
-SECRET_WORD = re.compile(r"(api)?key|token|secret.*|passw.*|auth.*|credentials?|private")
-# The schema's own fields that have such a word and hold no secret.
-NOT_SECRET = {"num_key_value_heads", "prompt_key", "label_key"}
-
-
-def is_secret_name(name: str) -> bool:
-    return name not in NOT_SECRET and any(SECRET_WORD.fullmatch(w) for w in re.split(r"[_\-.\s]+", name.lower()))
 
 
 def tracking_uri(cfg: RunConfig) -> str:
@@ -49,20 +39,6 @@ def _has_store(uri: str) -> bool:
     """False for a local SQLite store not created yet: looking into it would create it, and a
     lookup (a resume check, a failure hook) must not write a database."""
     return not uri.startswith("sqlite:///") or Path(uri[len("sqlite:///"):]).is_file()
-
-
-def redact(value: Any, name: str = "") -> Any:
-    """A copy with secrets replaced by "<redacted>": values of secret-looking field names (at any
-    depth, inside lists too) and the userinfo of URLs (s3://KEY:SECRET@host/...)."""
-    if isinstance(value, dict):
-        return {k: redact(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(v, name) for v in value]
-    if value and is_secret_name(name):
-        return "<redacted>"
-    if isinstance(value, str):
-        return re.sub(r"(://)[^/@\s]+@", r"\1<redacted>@", value)
-    return value
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -102,7 +78,8 @@ def start_or_attach_run(cfg: RunConfig, run_key: str, tags: dict[str, str]) -> t
             _log_config(client, run_id, cfg)
         return uri, run_id
     run = client.create_run(experiment_id, run_name=run_key,
-                            tags={RUN_KEY_TAG: run_key, "miles.config_digest": cfg.digest(), **tags})
+                            tags={RUN_KEY_TAG: run_key, "miles.config_digest": cfg.digest(),
+                                  **{k: redact_text(v) for k, v in tags.items()}})
     _log_config(client, run.info.run_id, cfg)
     return uri, run.info.run_id
 
@@ -245,7 +222,8 @@ def register_model(uri: str, run_id: str, name: str, hf_export_dir: str, tags: d
             client.get_registered_model(name)
         except mlflow.exceptions.MlflowException:
             client.create_registered_model(name, description="HF exports of rl-posttrain runs")
-        version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+        version = client.create_model_version(name, source=source, run_id=run_id,
+                                              tags={k: redact_text(v) for k, v in tags.items()})
     client.set_registered_model_alias(name, "candidate", version.version)
     return str(version.version)
 

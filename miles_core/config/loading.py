@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from miles_core.config.base import ConfigError
 from miles_core.config.schema import RunConfig
+from miles_core.redaction import SECRET_OVERRIDE_PATTERNS
 
 
 class RecipeLoader(yaml.SafeLoader):
@@ -96,11 +97,6 @@ def build_config(tree: dict[str, Any], overrides: list[str] = (), source: str = 
 # parameter schema): Prefect's server validates a run's parameters against it before it stores
 # them, so a secret passed by `prefect deployment run --param` is refused instead of kept in its
 # database. Secrets come from the environment; no config field holds one.
-SECRET_OVERRIDE_PATTERNS = (
-    r"://[^/@\s]+@",  # user:password@ in a URL
-    r"^[^=]*(^|[._-])(token|secrets?|passw[a-z]*|auth[a-z]*|credentials?|private|api[_-]?key|access[_-]?key)"
-    r"([._-][^=]*)?=",  # a secret-looking key
-)
 Override = Annotated[str, Field(pattern=r"^[^=]+=", json_schema_extra={
     "not": {"anyOf": [{"pattern": p} for p in SECRET_OVERRIDE_PATTERNS]}})]
 """A `dotted.key=value` override as a flow parameter."""
