@@ -67,6 +67,15 @@ def start_gpu_bench(script: str, out_dir: Path | None = None) -> float:
     return began
 
 
+def gpu_identity() -> dict[str, str]:
+    """What a GPU figure was measured on: the GPU's name and the library versions."""
+    import torch
+    import transformers
+
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def kv_cache_shape(engine) -> str:
     """slots x columns of an EmbeddedEngine's slot cache (fewer slots than sequences: it decodes in rounds)."""
     cache = engine.slots.cache if engine.slots is not None else None

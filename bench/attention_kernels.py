@@ -28,7 +28,7 @@ import argparse
 import json
 import time
 
-from _common import QWEN3_06B_SHAPE, log, start_gpu_bench
+from _common import QWEN3_06B_SHAPE, gpu_identity, log, start_gpu_bench
 
 
 def timed(run, iters: int) -> float:
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape = {"batch": args.batch, "seq": args.seq, "heads": args.heads, "kv_heads": args.kv_heads,
              "head_dim": args.head_dim}
     rows = measure(inputs, args.iters, 2 * args.batch * args.heads * args.seq ** 2 * args.head_dim)
-    summary = {"bench": "attention_kernels", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    summary = {"bench": "attention_kernels", **gpu_identity(),
                "shape": shape, "kernels": rows}
     print(json.dumps(summary), flush=True)
     return summary

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import log, rounded, start_gpu_bench
+from _common import gpu_identity, log, rounded, start_gpu_bench
 
 VARIANTS = {  # Inductor config patch, torch.compile mode of the layers, logits per compiled log-prob chunk
     "default": ({}, None, None),
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             rows.append(run_variant(variant, name, models[name], optimizers[name], config, params, args))
     shutdown_parallel(created)
-    summary = {"bench": "compile_variants", "device": torch.cuda.get_device_name(), "batch": args.batch,
+    summary = {"bench": "compile_variants", **gpu_identity(), "batch": args.batch,
                "seq": args.seq, "torch": torch.__version__, "ratios": ratios(rows),
                "runs": [{k: v for k, v in r.items() if k != "profile"} for r in rows],
                "profiles": [r["profile"] for r in rows if "profile" in r], "wall_s": time.perf_counter() - began}

@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, foreach_copy_seconds, log, median, rounded, start_gpu_bench
+from _common import QWEN3_06B_SHAPE, foreach_copy_seconds, gpu_identity, log, median, rounded, start_gpu_bench
 
 
 def serve(conn, shapes: dict[str, tuple[int, ...]], keep_alive: bool) -> None:
@@ -122,7 +122,7 @@ def main() -> None:
     sync_s, floor_s = median(seconds[1:]), foreach_copy_seconds(list(state.values()), "bfloat16")
     per_sync = len(updates) // args.syncs  # updates (buckets) per sync
     later = updates[per_sync:]
-    print(json.dumps(rounded({"bench": "cuda_ipc_sync", "device": torch.cuda.get_device_name(),
+    print(json.dumps(rounded({"bench": "cuda_ipc_sync", **gpu_identity(),
                               "weights_mib_bf16": sent / 2**20, "bucket_megabytes": args.bucket_megabytes,
                               "keep_alive": not args.http10, "sync_s": sync_s, "first_sync_s": seconds[0],
                               "copy_floor_s": floor_s, "sync_over_floor": sync_s / floor_s,

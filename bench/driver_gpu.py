@@ -3,6 +3,7 @@ the GPU through fractional GPU bundles, exactly as `miles run` places them (Trai
 loop, the weight transport), on a random Qwen3 of the 0.6B shape or the tiny model.
 
     python bench/driver_gpu.py --model qwen3-0.6b-shape --steps 4
+    python bench/driver_gpu.py --engine sglang --sglang-python /tmp/sgl-python --transport cuda_ipc
 
 Prints one JSON line: the step-time breakdown (rollout, train, weight sync) per step and the
 median over the steps after the first (the first compiles and warms caches).
@@ -18,12 +19,32 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import colocated_overrides, copy_floor_seconds, log, median, prepare_data, prepare_model, rounded, setup_env
+from _common import (
+    colocated_overrides,
+    copy_floor_seconds,
+    gpu_identity,
+    log,
+    median,
+    prepare_data,
+    prepare_model,
+    rounded,
+    setup_env,
+)
 
 BREAKDOWN = ("time/step_seconds", "time/rollout_seconds", "time/rollout_wait_seconds", "time/train_seconds",
              "weights/sync_seconds", "weights/shared_write_seconds", "weights/shared_load_seconds",
-             "rollout/tokens_per_second", "train/tokens_per_second",
+             "rollout/tokens_per_second", "train/tokens_per_second", "rollout/train_logprob_abs_diff",
              "rollout/reward_mean", "train/loss")
+
+
+def sglang_overrides(engine: str, python: str | None) -> list[str]:
+    """A real SGLang server per engine actor, with the one-GPU recipe's args (the carried kernel
+    wheel has no FA3: triton attention)."""
+    if engine != "sglang":
+        return []
+    python_field = f", python: {python}" if python else ""
+    return ["rollout.engine={kind: sglang" + python_field + ", server_args: {attention_backend: triton, "
+            "sampling_backend: pytorch, grammar_backend: none, mem_fraction_static: 0.3, skip_server_warmup: true}}"]
 
 
 def main() -> None:
@@ -34,7 +55,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=64)
-    parser.add_argument("--transport", default="object_store", choices=["object_store", "shared_memory", "broadcast", "disk"])
+    parser.add_argument("--transport", default="object_store",
+                        choices=["object_store", "shared_memory", "broadcast", "disk", "cuda_ipc"])
+    parser.add_argument("--engine", default="embedded", choices=["embedded", "sglang"])
+    parser.add_argument("--sglang-python", default=None, help="rollout.engine.python for --engine sglang")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args()
     setup_env()
@@ -53,6 +77,7 @@ def main() -> None:
         f"rollout.num_prompts_per_step={args.prompts}", f"rollout.num_samples_per_prompt={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"checkpoint.interval_steps={args.steps}",
         "rollout.request_timeout_seconds=900", *colocated_overrides(gpu, args.transport),
+        *sglang_overrides(args.engine, args.sglang_python),
     ])
     ray.init(num_cpus=12, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=True)
     log(f"ray up: {ray.cluster_resources()}")
@@ -74,8 +99,8 @@ def main() -> None:
     floor = copy_floor_seconds(model_dir, cfg.model.dtype)
     sync = median(r["weights/sync_seconds"] for r in warm)
     print(json.dumps(rounded({
-        "bench": "driver_gpu", "model": args.model, "transport": args.transport,
-        "gpu": torch.cuda.get_device_name() if gpu else None,
+        "bench": "driver_gpu", "model": args.model, "transport": args.transport, "engine": args.engine,
+        **gpu_identity(),
         "prompts": args.prompts, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
         "open_seconds": open_seconds, "steps": steps, "copy_floor_seconds": floor, "sync_over_copy_floor": sync / floor,
         "median_after_first": {k: median(r[k] for r in warm if k in r) for k in BREAKDOWN},

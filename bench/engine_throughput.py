@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import kv_cache_shape
+from _common import gpu_identity, kv_cache_shape
 
 from miles_core.rollout.engine import EmbeddedEngine
 from miles_core.tiny import build_tokenizer
@@ -152,7 +152,8 @@ def main() -> None:
         hf_baseline(engine.model, work[: args.batch], 4, args.batch, engine.pad_id, stop_ids)  # warm-up
         base, base_produced = hf_baseline(engine.model, work, args.new_tokens, args.batch, engine.pad_id, stop_ids)
     print(json.dumps({
-        "model": args.model, "device": str(engine.device), "num_seqs": args.num_seqs, "new_tokens": args.new_tokens,
+        "model": args.model, "device": str(engine.device), **gpu_identity(), "num_seqs": args.num_seqs,
+        "new_tokens": args.new_tokens,
         "batch": args.batch, "mean_length_target": args.mean_length, "slot_decoding": engine.slots is not None,
         "engine_mean_length": round(produced / len(outs), 1), "hf_mean_length": round(base_produced / len(work), 1),
         "engine_tokens_per_s": round(produced / ours), "hf_generate_tokens_per_s": round(base_produced / base),

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, log, rounded, start_gpu_bench
+from _common import QWEN3_06B_SHAPE, gpu_identity, log, rounded, start_gpu_bench
 
 PEAK_FLOPS = 989e12
 
@@ -436,7 +436,7 @@ def summarize(bench: MfuBench, results: dict[str, list[dict]], sweep: list[dict]
         graphs, breaks = None, None
     a = bench.args
     return {
-        "bench": "megatron_mfu", "device": torch.cuda.get_device_name(), "params": bench.params, "seq": a.seq,
+        "bench": "megatron_mfu", **gpu_identity(), "params": bench.params, "seq": a.seq,
         "layers": a.layers, "steps": a.steps, "dtype": "bfloat16", "peak_flops": PEAK_FLOPS,
         "attn_flops_per_token": bench.attn_flops, "compiled_layers": a.compile, "static_shapes": a.static_shapes,
         "sdpa": a.sdpa, "fused_swiglu": a.fused_swiglu, "rope_per_layer": a.rope_per_layer,

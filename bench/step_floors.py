@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import QWEN3_06B_SHAPE, log, rounded, start_gpu_bench
+from _common import QWEN3_06B_SHAPE, gpu_identity, log, rounded, start_gpu_bench
 from megatron_mfu import PEAK_FLOPS
 
 
@@ -116,10 +116,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     args = parser.parse_args()
     start_gpu_bench(__file__)
-    import torch
 
     setup = bandwidth()
-    result = {"bench": "step_floors", "device": torch.cuda.get_device_name(), "tokens": args.tokens,
+    result = {"bench": "step_floors", **gpu_identity(), "tokens": args.tokens,
               "bandwidth": setup, "logprob_pass": logprob_pass(args.tokens, setup["copy_tb_per_s"]),
               "projections": projections(args.tokens)}
     print(json.dumps(rounded(result)), flush=True)

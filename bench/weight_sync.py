@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     colocated_overrides,
     copy_floor_seconds,
+    gpu_identity,
     local_config,
     log,
     median,
@@ -83,7 +84,7 @@ def main() -> None:
         row["over_copy_floor"] = row["sync_seconds"] / floor
     print(json.dumps(rounded({
         "bench": "weight_sync", "backend": args.backend, "model": args.model,
-        "gpu": torch.cuda.get_device_name() if gpu else None,
+        **gpu_identity(),
         "engine_dtype": engine_dtype, "pushes": args.pushes, "copy_floor_seconds": floor, "transports": results,
     }, digits=6)), flush=True)
 
