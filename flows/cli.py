@@ -171,8 +171,8 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _refuse_secret_overrides(set_)
     cfg = _load(config, set_)
-    _check_run_target(cfg, run_dir, resume)
     local_environment(cfg.storage.work_dir, cfg.placement.ray_address)
+    _check_run_target(cfg, run_dir, resume)
     from flows.rl_posttrain import rl_posttrain  # imports Prefect/Ray only when running
 
     try:
@@ -199,12 +199,16 @@ def _refuse_secret_overrides(overrides: list[str]) -> None:
 
 
 def _check_run_target(cfg: RunConfig, run_dir: Path | None, resume: str | None) -> None:
-    """Exit 2 with one message when the run directory holds another run's files, before Prefect
-    starts (and records a flow run). The flow checks again: deployments do not come here."""
+    """Exit 2 with one message when --resume names no run (a malformed key, or one MLflow does
+    not know) or the run directory holds another run's files, before Prefect starts (and
+    records a flow run). The flow checks again: deployments do not come here."""
+    from miles_core import tracking
     from miles_core.checkpoint import check_run_dir
 
-    path = run_dir or (cfg.storage.work_path / "runs" / resume if resume else None)
     try:
+        if resume is not None:
+            tracking.check_resumable_run(cfg, resume)
+        path = run_dir or (cfg.storage.work_path / "runs" / resume if resume else None)
         if path is not None:
             check_run_dir(path.resolve(), resume)  # a new run's key is not drawn yet: None
     except ValueError as exc:

@@ -97,11 +97,8 @@ def _open_run_dir(cfg: RunConfig, run_key: str, resume_from: str | None, run_dir
     """The run's local directory with its key and resolved config (secrets redacted, owner-only).
     A resume of a run MLflow does not know, or a directory holding another run's (or anything
     else's) files, fails first, with nothing written."""
-    if resume_from and tracking.find_run(cfg, run_key) is None:
-        known = ", ".join(tracking.recent_run_keys(cfg)) or "none"
-        raise ValueError(f"resume_from={resume_from!r}: no run with this key in MLflow experiment "
-                         f"{cfg.tracking.experiment_name!r} at {tracking.tracking_uri(cfg)} (latest run keys: {known}); "
-                         "check the key or drop --resume to start a new run")
+    if resume_from:
+        tracking.check_resumable_run(cfg, run_key)
     run_path = Path(run_dir).resolve() if run_dir else cfg.storage.work_path / "runs" / run_key
     ckpt.check_run_dir(run_path, run_key)
     run_path.mkdir(parents=True, exist_ok=True)

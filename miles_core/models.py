@@ -12,6 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
+from fsspec.implementations.local import LocalFileSystem
+
 from miles_core.config import ModelConfig
 from miles_core.storage import download_dir, filesystem
 
@@ -35,6 +37,20 @@ def _check_hf_dir(path: Path, source: str) -> Path:
     if not (path / "config.json").is_file():
         raise ModelSourceError(f"model source {source!r}: {path} has no config.json; expected a Hugging Face model directory")
     return path
+
+
+def local_source_dir(source: str) -> Path | None:
+    """The local directory a model source names: a path, or a URL that fsspec reads from this
+    machine's filesystem (file://...), so both get the same checks; None for built-in, Hub and
+    remote sources."""
+    if source.startswith(("builtin:", "hf://")):
+        return None
+    if "://" not in source:
+        return Path(source).expanduser()
+    if source.split("://", 1)[0] not in LocalFileSystem.protocol:
+        return None  # not resolved here: a missing filesystem package is preflight's finding
+    _, path = filesystem(source)  # the path fsspec would copy from
+    return Path(path)
 
 
 def model_identity(model: ModelConfig) -> str:
@@ -64,8 +80,11 @@ def materialize_model(model: ModelConfig, cache_dir: str | Path) -> tuple[Path, 
     """A local HF directory for the source (built, downloaded or referenced) and its identity."""
     identity = model_identity(model)
     src = model.source
-    if "://" not in src and not src.startswith("builtin:"):
-        return _check_hf_dir(Path(src).expanduser().resolve(), src), identity
+    local = local_source_dir(src)
+    if local is not None:
+        _check_hf_dir(local, src)  # a file:// source too, before anything is copied
+        if "://" not in src:
+            return local.resolve(), identity  # a plain path is used in place
     target = Path(cache_dir) / _digest(identity)
     if (target / MARKER).is_file():
         return target, identity

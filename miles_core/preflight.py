@@ -15,6 +15,7 @@ from pathlib import Path
 
 from miles_core.config import ConfigError, RunConfig
 from miles_core.data import row_problem
+from miles_core.models import local_source_dir
 from miles_core.plugins import load_optional
 from miles_core.rewards import get_reward
 
@@ -35,16 +36,17 @@ def preflight(cfg: RunConfig) -> None:
 # ---- model ----------------------------------------------------------------------------------------
 def _model_problems(cfg: RunConfig) -> Iterator[str]:
     source = cfg.model.source
+    local = local_source_dir(source)
     if source.startswith("builtin:"):
         from miles_core.tiny import MAX_POSITIONS as positions
     elif source.startswith("hf://"):
         yield from _hub_problems(source)
         return
-    elif "://" in source:
+    elif local is None:
         yield from _remote_dir_problems("model.source", source)
         return
     else:
-        config_path = Path(source).expanduser() / "config.json"
+        config_path = local / "config.json"
         if not config_path.parent.is_dir():
             yield f"model.source: directory {config_path.parent} does not exist"
             return

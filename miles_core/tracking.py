@@ -122,6 +122,18 @@ def find_run(cfg: RunConfig, run_key: str) -> tuple[str, str] | None:
     return (uri, run_id) if run_id else None
 
 
+def check_resumable_run(cfg: RunConfig, run_key: str) -> None:
+    """ValueError unless run_key is a well-formed key of a run in this config's MLflow
+    experiment (a lookup only: nothing is created)."""
+    check_run_key(run_key)
+    if find_run(cfg, run_key) is None:
+        known = ", ".join(recent_run_keys(cfg)) or "none"
+        raise ValueError(f"cannot resume {run_key!r}: no run with this key in MLflow experiment "
+                         f"{cfg.tracking.experiment_name!r} at {redact_text(tracking_uri(cfg))} (latest run keys: "
+                         f"{known}); check the key (the run's RUN_KEY file or summary.json has it), or drop --resume "
+                         "(resume_from) to start a new run")
+
+
 @contextmanager
 def system_metrics(uri: str | None, run_id: str | None, interval_seconds: float):
     """MLflow's system metrics (system/cpu_utilization_percentage, memory, disk, network, and

@@ -18,10 +18,15 @@ class Section(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, data: Any) -> Any:
-        """`num_steps: true` is a typo, not 1 (pydantic would take a bool as a number)."""
+        """`num_steps: true` is a typo, not 1 (pydantic would take a bool as a number). It is
+        handed on as the text "true", which the field's own validation refuses, so the error
+        names the field with its section (training.num_steps), where one raised here would
+        name the section only."""
         if isinstance(data, dict):
-            for name, value in data.items():
-                field = cls.model_fields.get(name)
-                if field is not None and field.annotation in (int, float) and isinstance(value, bool):
-                    raise ValueError(f"{name}: expected a number, got {value!r}")
+            return {name: str(value).lower() if _is_number(cls.model_fields.get(name)) and isinstance(value, bool)
+                    else value for name, value in data.items()}
         return data
+
+
+def _is_number(field: Any) -> bool:
+    return field is not None and field.annotation in (int, float)

@@ -7,7 +7,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -320,7 +320,7 @@ class EvalConfig(Section):
     """Generation budget of evaluation responses."""
     batch_size: int = Field(256, ge=1)
     """Sequences (prompt x sample) per generation batch during evaluation."""
-    pass_k: list[int] = [1]
+    pass_k: list[Annotated[int, Field(ge=1)]] = [1]
     """k values of pass@k reported for each dataset (only those <= its num_samples_per_prompt)."""
     use_rollout_generate: bool = False
     """Evaluate episodes of rollout.generate (e.g. multi-turn: the final answer is scored) instead
