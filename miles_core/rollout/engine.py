@@ -132,15 +132,21 @@ class EmbeddedEngine:
         else:
             finished = []
             for start in range(0, len(input_ids), self.max_batch_size):
+                if self._interrupted():  # an interrupted call ends here, not after one step per chunk
+                    break
                 chunk_seeds = None if seeds is None else seeds[start : start + self.max_batch_size]
                 finished.extend(self._generate_batch(input_ids[start : start + self.max_batch_size], sampling,
                                                      return_logprob, chunk_seeds))
+            finished.extend(Finished([], [], False) for _ in range(len(input_ids) - len(finished)))
         outputs = [self._response(done, len(ids), sampling, return_logprob) for ids, done in zip(input_ids, finished)]
-        if return_routed_experts:
+        if return_routed_experts and not self._interrupted():  # an aborted call: no replay of its samples
             experts = self.routed_experts([ids + out["output_ids"] for ids, out in zip(input_ids, outputs)])
             for out, routed in zip(outputs, experts):
                 out["meta_info"]["routed_experts"] = routed.tolist()
         return outputs
+
+    def _interrupted(self) -> bool:
+        return self.interrupted is not None and self.interrupted()
 
     def _check_lengths(self, input_ids: list[list[int]], max_new_tokens: int) -> None:
         """SGLang's request checks (TokenizerManager._validate_one_request and
