@@ -5,12 +5,19 @@ routes in front of it.
 
 Generation runs in a worker thread so health and abort stay responsive; one lock serialises
 generation and weight updates, so weights never change mid-generation.
+
+Weight updates are atomic as a client sees them: from the first tensor a bucketed update writes
+until its last bucket (the one with flush_cache=true, inside a weight-update session), or after
+an update failed part-way, the live weights are a mix of no version. Meanwhile the health probes
+answer 503 and generation is refused (503), until a complete update (or a restart); the weight
+version changes only when an update completes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -86,6 +93,11 @@ class EngineService:
         self.weight_update_selector: str | None = None
         """The open weight-update session's selector (SGLang 0.5.23: distributed updates load
         only between /begin_weight_update and /end_weight_update)."""
+        self.weights_incomplete: str | None = None
+        """Why the live weights are no complete version (an update under way or failed part-way),
+        or None. While set, health is 503 and generation refused."""
+        self.session_failed = False
+        """A bucket of the open session failed: its later buckets would complete a mix."""
         self.warned_params: set[str] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -107,6 +119,11 @@ class EngineService:
     @property
     def ready(self) -> bool:
         return self.engine is not None
+
+    @property
+    def healthy(self) -> bool:
+        """Loaded, and holding the weights of one complete version."""
+        return self.ready and self.weights_incomplete is None
 
     # ---- requests, abort and pause --------------------------------------------------------
 
@@ -147,13 +164,11 @@ class EngineService:
         return stop
 
     def generate(self, req: Request, prompts: list[list[int]], body: dict) -> list[dict]:
-        if self.stale_cache_version is not None:
-            raise ValueError(f"weights changed to version {self.stale_cache_version} with flush_cache=false and "
-                             "the cache was not flushed since: SGLang would reuse prefix KV of the old weights")
         params, seeds = self._sampling_params(body.get("sampling_params"), len(prompts))
         want_logprob = bool(body.get("return_logprob", False))
         start = body.get("logprob_start_len")
-        with self.lock:
+        with self.lock:  # the weights' state is read under the lock that updates hold
+            self.check_servable()
             if req.aborted.is_set():
                 return [self._empty(p, {"type": "abort", "message": "aborted before it ran"}) for p in prompts]
             self.current = req
@@ -164,14 +179,30 @@ class EngineService:
                     outs = self.engine.generate(prompts, params, return_logprob=want_logprob, seeds=seeds,
                                                 return_routed_experts=bool(body.get("return_routed_experts")))
                 if want_logprob and start is not None and int(start) >= 0:
-                    for out, prompt in zip(outs, prompts):
-                        out["meta_info"]["input_token_logprobs"] = self._score(prompt, int(start))
+                    self._score_all(req, outs, prompts, int(start))
             finally:
                 self.current = None
         if req.stopped_early:
             for out in outs:
                 out["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted by request"}
         return outs
+
+    def check_servable(self) -> None:
+        """EngineUnavailable while the weights are no complete version; ValueError (the caller's
+        400) while the cache holds KV of replaced weights."""
+        if self.weights_incomplete is not None:
+            raise EngineUnavailable(f"the engine holds no complete weight version: {self.weights_incomplete}")
+        if self.stale_cache_version is not None:
+            raise ValueError(f"weights changed to version {self.stale_cache_version} with flush_cache=false and "
+                             "the cache was not flushed since: SGLang would reuse prefix KV of the old weights")
+
+    def _score_all(self, req: Request, outs: list[dict], prompts: list[list[int]], start: int) -> None:
+        """Input log-probs of each prompt, one forward each; an abort ends the call between them."""
+        for out, prompt in zip(outs, prompts):
+            if req.aborted.is_set():
+                req.stopped_early = True
+                return
+            out["meta_info"]["input_token_logprobs"] = self._score(prompt, start)
 
     def _sampling_params(self, params: dict | list | None, num_prompts: int) -> tuple[dict, list[int] | None]:
         """One set of params for the batch and the sampling seed of each prompt (see
@@ -180,6 +211,7 @@ class EngineService:
             check_sampling_json(one)
         shared, seeds = split_sampling_params(params or {}, num_prompts)
         merged = {"max_new_tokens": 128, **shared}  # 128 is SGLang's default
+        verify_sampling(merged)
         for key in sorted(set(merged) - SUPPORTED_SAMPLING - self.warned_params):
             logger.warning("sampling param %r is ignored by the embedded engine", key)
             self.warned_params.add(key)
@@ -231,14 +263,43 @@ class EngineService:
     @torch.no_grad()
     def copy_into(self, targets: list[torch.Tensor], sources: list[torch.Tensor], weight_version: str | None,
                   flush_cache: bool = True) -> dict:
-        """One fused copy of resolved sources into their targets. Callers hold self.lock."""
-        torch._foreach_copy_(targets, sources)
+        """One fused copy of resolved sources into their targets. Callers hold self.lock.
+        Inside a weight-update session a write with flush_cache=false is a bucket with more to
+        come (senders flush once, after the last bucket), so the weights stay marked incomplete
+        and the version unchanged until that last bucket; outside one, every write is whole."""
+        if self.session_failed and self.weight_update_selector is not None:
+            return weight_result(False, FAILED_SESSION)
+        final = flush_cache or self.weight_update_selector is None
+        # Marked before the copy: a copy that raises part-way leaves a mix, and says so.
+        self.weights_incomplete = self.weights_incomplete or f"an update to weight version {weight_version} is loading"
+        try:
+            torch._foreach_copy_(targets, sources)
+        except BaseException as exc:
+            self.write_failed(weight_version, exc)
+            raise
+        if not final:
+            self.weights_incomplete = (f"an update to weight version {weight_version} is under way; it completes "
+                                       "with its last bucket (flush_cache=true)")
+            return weight_result(True, f"loaded a bucket of {len(targets)} tensors of weight version {weight_version}")
+        self.weights_incomplete = None
         if weight_version is not None:
             self.engine.weight_version = str(weight_version)
         self.stale_cache_version = None if flush_cache else self.engine.weight_version
         return weight_result(True, f"updated {len(targets)} tensors; weight version {self.engine.weight_version}")
 
+    def write_failed(self, weight_version: str | None, exc: BaseException) -> None:
+        """A write raised: the weights are a mix if it or an earlier bucket of its update touched
+        them, and the rest of its session could only complete that mix."""
+        if self.weight_update_selector is not None:
+            self.session_failed = True
+        if self.weights_incomplete is not None:
+            self.weights_incomplete = (f"an update to weight version {weight_version} failed part-way "
+                                       f"({type(exc).__name__}: {exc}); waiting for a complete update")
+        logger.error("weight update to version %s failed: %s: %s", weight_version, type(exc).__name__, exc)
+
     def update_from_disk(self, body: dict) -> dict:
+        if self.session_failed and self.weight_update_selector is not None:
+            return weight_result(False, FAILED_SESSION)
         model_path = body.get("model_path", "")
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
@@ -269,12 +330,16 @@ class EngineService:
             return weight_result(False, f"selector must be one of {', '.join(WEIGHT_UPDATE_SELECTORS)}, got {selector!r}")
         if self.weight_update_selector is not None:
             return weight_result(False, "a weight-update session is already open; call end_weight_update() first")
-        self.weight_update_selector = selector
+        self.weight_update_selector, self.session_failed = selector, False
         return weight_result(True, "Success")
 
     def end_weight_update(self, body: dict) -> dict:
         if self.weight_update_selector is None:
             return weight_result(False, "no weight-update session is open; call begin_weight_update() first")
+        # Weights left incomplete stay so (and unservable) with or without a session open.
+        if self.weights_incomplete is not None and not self.session_failed:
+            self.weights_incomplete = ("a weight-update session ended before its update's last bucket "
+                                       "(flush_cache=true) loaded; waiting for a complete update")
         self.weight_update_selector = None
         return weight_result(True, "Success")
 
@@ -285,12 +350,25 @@ class EngineService:
         group = self.groups.get(body.get("group_name"))
         if group is None:
             return weight_result(False, f"no weights update group {body.get('group_name')!r}; call init first")
+        if self.session_failed:
+            return weight_result(False, FAILED_SESSION)
+        declared = _declared_tensors(body["names"], body["dtypes"], body["shapes"])
+        # Checked before a byte is received: a wrong name or shape must not cost an allocation.
+        targets = declared if isinstance(declared, str) else self.resolve_targets(declared)
+        if isinstance(targets, str):
+            return weight_result(False, targets)
         with self.lock:
-            tensors = {}
-            for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-                tensors[name] = torch.empty(shape, dtype=_torch_dtype(dtype), device=self.engine.device)
-                torch.distributed.broadcast(tensors[name], src=0, group=group)
-            return self.load_tensors(tensors, body.get("weight_version"), _flush(body))
+            try:
+                received = [self._receive(t, group) for t in declared.values()]
+            except BaseException as exc:  # the sender died or the group broke mid-bucket
+                self.write_failed(body.get("weight_version"), exc)
+                raise
+            return self.copy_into(targets, received, body.get("weight_version"), _flush(body))
+
+    def _receive(self, declared: torch.Tensor, group: Any) -> torch.Tensor:
+        tensor = torch.empty(declared.shape, dtype=declared.dtype, device=self.engine.device)
+        torch.distributed.broadcast(tensor, src=0, group=group)
+        return tensor
 
     def destroy_group(self, body: dict) -> dict:
         name = body.get("group_name", "")
@@ -333,7 +411,53 @@ def check_sampling_json(params: dict) -> None:
             raise ValueError(f"invalid type: {value!r} for `{key}`, expected {'i64' if kind is int else kind.__name__}")
 
 
+def verify_sampling(params: dict) -> None:
+    """SGLang's SamplingParams.verify, in its words, for the params whose bad values would otherwise
+    reach the sampler (a NaN temperature, a negative budget); null means the default. The engine
+    checks top_p and top_k itself (EmbeddedEngine._sampling)."""
+    def get(key: str, default: float) -> float:
+        value = params.get(key)
+        return default if value is None else value
+
+    temperature, min_p = get("temperature", 1.0), get("min_p", 0.0)
+    if not math.isfinite(temperature) or temperature < 0.0:
+        raise ValueError(f"temperature must be a non-negative finite number, got {temperature}.")
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}.")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if not -2.0 <= get(key, 0.0) <= 2.0:
+            raise ValueError(f"{key} must be in [-2, 2], got {get(key, 0.0)}.")
+    if not 0.0 < get("repetition_penalty", 1.0) <= 2.0:
+        raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {get('repetition_penalty', 1.0)}.")
+    max_new, min_new = get("max_new_tokens", 128), get("min_new_tokens", 0)
+    if max_new < 0:
+        raise ValueError(f"max_new_tokens must be at least 0, got {max_new}.")
+    if not 0 <= min_new <= max_new:
+        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
+
+
 WEIGHT_UPDATE_SELECTORS = ("target", "draft", "all")  # SGLang's BeginWeightUpdateReqInput.selector
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot serve now (its weights are no complete version): a 503, so routers try
+    another engine, never the caller's error."""
+
+
+FAILED_SESSION = ("an earlier bucket of this weight-update session failed, so its later buckets would complete a "
+                  "mix; end the session and send a complete update")
+
+
+def _declared_tensors(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, torch.Tensor] | str:
+    """The tensors a bucket announces, as meta tensors (no memory), or why they cannot be received:
+    the broadcast must receive exactly what the sender sends, one tensor per name, in order."""
+    if not len(names) == len(dtypes) == len(shapes):
+        return f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes: a bucket needs one of each per tensor"
+    if len(set(names)) != len(names):
+        return "a bucket names a tensor twice"
+    if any(d < 0 for shape in shapes for d in shape):
+        return "negative dimension in shapes"
+    return {n: torch.empty(shape, dtype=_torch_dtype(d), device="meta") for n, d, shape in zip(names, dtypes, shapes)}
 
 
 def _flush(body: dict) -> bool:
