@@ -6,6 +6,11 @@ the same client, launcher, router and weight-update calls. Launch it like SGLang
     python -m miles_core.rollout.http_server --model-path DIR --host 127.0.0.1 --port 30000
 
 The routes are thin: what they do is `engine_service.EngineService`'s.
+
+Bodies are checked as SGLang's FastAPI server checks them: a malformed, non-object or wrongly
+typed body is a 400 in SGLang's ErrorResponse shape, never a 500. On top, bounds SGLang does not
+set (ServerLimits): the body's size (413), the prompts of one /generate (400), and the time a
+client may take to send its request (disconnected).
 """
 
 from __future__ import annotations
@@ -13,24 +18,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
 import logging
 import os
+import reprlib
 import signal
 import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar
 
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from miles_core.rollout.engine import EmbeddedEngine
-from miles_core.rollout.engine_service import EngineService, weight_result
+from miles_core.rollout.engine_service import EngineService, EngineUnavailable, weight_result
+from miles_core.rollout.engine_service import Request as InFlight
 from miles_core.rollout.sglang_args import SERVER_ARGS
 from miles_core.shared_weights import BufferHandle, SharedWeights
 
@@ -39,69 +53,301 @@ SERVER_VERSION = "miles-embedded-1"
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-def _prompts(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
-    """Token-id prompts of a /generate body, and whether it was a single (non-batch) request."""
-    if body.get("input_ids") is not None:
-        ids = body["input_ids"]
-        single = not ids or isinstance(ids[0], int)
-        prompts = [ids] if single else ids
-    elif body.get("text") is not None:
-        single = isinstance(body["text"], str)
-        texts = [body["text"]] if single else body["text"]
-        prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    else:
-        raise ValueError("a /generate request needs input_ids or text")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt")
-    return [[int(t) for t in p] for p in prompts], single
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may ask of the server; SGLang bounds none of these."""
+
+    max_request_bytes: int = 64 << 20
+    """A larger body is answered 413, from its Content-Length or once that many bytes arrived."""
+    max_prompts_per_request: int = 16384
+    """A larger /generate batch is refused (400). Rollouts send batch x samples per engine (1024 in
+    the recipes here); a million prompts would hold the engine for minutes."""
+    request_read_timeout: float = 30.0
+    """Seconds a client has to send a whole request, head and body, counted from connecting or
+    from the previous response; a slower one is disconnected."""
 
 
-def _rids(rid: Any, n: int) -> list[str]:
-    if rid is None:
-        return [uuid.uuid4().hex for _ in range(n)]
-    rids = [rid] if isinstance(rid, str) else list(rid)
-    if len(rids) != n:
-        raise ValueError(f"{len(rids)} rids for {n} prompts")
-    return [str(r) for r in rids]
+# ---- request bodies: SGLang's request structs (managers/io_struct.py) ------------------------------
+# Lists stop at their first bad item: pydantic's default reports every one, and a body's worth of
+# them costs minutes and gigabytes.
+Strs = Annotated[list[str], Field(fail_fast=True)]
+IntRows = Annotated[list[Annotated[list[int], Field(fail_fast=True)]], Field(fail_fast=True)]
+I64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+I64s = Annotated[list[I64], Field(fail_fast=True)]
+I64Rows = Annotated[list[I64s], Field(fail_fast=True)]
+Bools = Annotated[list[bool], Field(fail_fast=True)]
+Dicts = Annotated[list[dict[str, Any]], Field(fail_fast=True)]
 
 
-async def _body(request: Request) -> dict:
-    # Control endpoints are called with no body at all (SGLang accepts that too).
-    if not (await request.body()).strip():
-        return {}
-    return await request.json() or {}
+class SGLangStruct(BaseModel):
+    """SGLang's msgspec structs reach FastAPI as typed dicts: unknown keys ignored, lax types
+    ("5" for an int, never 5 for a string)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class AbortReq(SGLangStruct):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+class PauseGenerationReqInput(SGLangStruct):
+    mode: Literal[PAUSE_MODES] = "abort"
+
+
+class ContinueGenerationReqInput(SGLangStruct):
+    torch_empty_cache: bool = True
+
+
+class MemoryOccupationReqInput(SGLangStruct):  # Release- and ResumeMemoryOccupationReqInput
+    tags: Strs | None = None
+
+
+class UpdateWeightVersionReqInput(SGLangStruct):
+    new_version: str
+    abort_all_requests: bool = True  # SGLang's default
+
+
+class UpdateWeightFromDiskReqInput(SGLangStruct):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class InitWeightsUpdateGroupReqInput(SGLangStruct):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"  # SGLang's is nccl; the embedded engine also runs on CPU
+
+
+class UpdateWeightsFromDistributedReqInput(SGLangStruct):
+    names: Strs
+    dtypes: Strs
+    shapes: IntRows
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class DestroyWeightsUpdateGroupReqInput(SGLangStruct):
+    group_name: str = "weight_update_group"
+
+
+class BeginWeightUpdateReqInput(SGLangStruct):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdateReqInput(SGLangStruct):
+    pass
+
+
+class GenerateReqInput(BaseModel):
+    """The /generate fields the engine reads, as SGLang 0.5.23 admits them: its JSON contract
+    (sglang/api/v1/api_types.py) takes JSON types exactly (no "5" for 5) and integers in int64."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    rid: str | Strs | None = None
+    text: str | Strs | None = None
+    input_ids: I64s | I64Rows | None = None
+    sampling_params: dict[str, Any] | Dicts | None = None
+    return_logprob: bool | Bools | None = None
+    logprob_start_len: I64 | I64s | None = None
+    return_routed_experts: bool = False
+    stream: bool | None = None
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+class RequestError(Exception):
+    """A request SGLang's validation refuses: answered in its ErrorResponse shape."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.message, self.status = message, status
 
 
 def _error(status: int, message: str) -> JSONResponse:
+    """SGLang's answer to a request its handler refuses (_create_error_response)."""
     return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _sglang_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """SGLang's answer to a body its validation refuses (400, type "Bad Request") or to an
+    HTTPException (type: the status), both as the OpenAI protocol's ErrorResponse."""
+    kind = HTTPStatus.BAD_REQUEST.phrase if status == 400 else str(status)
+    return JSONResponse({"object": "error", "message": message, "type": kind, "param": None, "code": status},
+                        status_code=status, headers=headers)
 
 
 def _weights_response(result: dict) -> JSONResponse:
     return JSONResponse(result, status_code=200 if result["success"] else 400)
 
 
-def create_app(service: EngineService) -> FastAPI:
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 3, 4, 4, 60, 60
+MAX_ERRORS_SHOWN = 5
+
+
+def _validation_message(errors: list[dict]) -> str:
+    """Validation errors as SGLang words them (FastAPI's list, each with its input), the first
+    few, their inputs cut short: echoed whole, one input could be megabytes."""
+    shown = [{"type": e["type"], "loc": ("body", *e["loc"]), "msg": e["msg"], "input": _SHORT.repr(e.get("input")),
+              **({"ctx": {k: str(v)[:200] for k, v in e["ctx"].items()}} if e.get("ctx") else {})}
+             for e in errors[:MAX_ERRORS_SHOWN]]
+    more = f" and {len(errors) - MAX_ERRORS_SHOWN} more" if len(errors) > MAX_ERRORS_SHOWN else ""
+    return f"{len(errors)} validation error{'s' if len(errors) > 1 else ''}: {shown}{more}"
+
+
+# ---- bodies: read, parsed and validated --------------------------------------------------------
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def _json(request: Request) -> Any:
+    """The request's JSON body, or RequestError worded as FastAPI words each failure."""
+    raw = await request.body()
+    if not raw.strip():  # SGLang's handlers take a required Body(): an empty one is refused
+        raise RequestError(_validation_message([{"type": "missing", "loc": (), "msg": "Field required"}]))
+    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise RequestError(f"Unsupported Media Type {media!r}: the body must be application/json")
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestError(_validation_message([{"type": "json_invalid", "loc": (exc.pos,), "msg": "JSON decode error",
+                                                 "input": {}, "ctx": {"error": exc.msg}}])) from None
+    except (ValueError, RecursionError):  # invalid UTF-8, a 5000-digit number, nesting past the parser's stack
+        raise RequestError("There was an error parsing the body") from None
+
+
+def _validated(model: type[M], data: Any) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestError(_validation_message(exc.errors(include_url=False))) from None
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    return _validated(model, await _json(request))
+
+
+OPEN_PATHS = ("/health", "/health_generate")  # no API key needed
+BEFORE_LOAD_PATHS = ("/health", "/health_generate", "/server_info", "/get_server_info")
+
+
+class RequestGate:
+    """What every request passes before a route: the API key (as SGLang's --api-key: all but the
+    health probes), the model loaded (SGLang answers 503 while starting), then its body read,
+    at most `max_bytes` of it: a larger one is answered 413 from its Content-Length before a
+    byte of it is read, or once that many bytes arrived (a chunked body); what the client still
+    sends, the protocol drops unread. Pure ASGI: Starlette's BaseHTTPMiddleware would turn a
+    request left unanswered (its client gone mid-body) into a logged 500."""
+
+    def __init__(self, app: ASGIApp, service: EngineService, max_bytes: int):
+        self.app, self.service, self.max_bytes = app, service, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if refusal := self._refusal(scope["path"], headers):
+            return await refusal(scope, receive, send)
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left, or was cut off for sending too slowly: no one to answer
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": bytes(body), "more_body": False}]
+        del body
+
+        async def replay() -> Message:  # the body once, then the client's later messages (a disconnect)
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> JSONResponse | None:
+        key = self.service.api_key
+        if key and path not in OPEN_PATHS:
+            sent = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(sent, f"Bearer {key}".encode()):
+                return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
+        if not self.service.ready and path not in BEFORE_LOAD_PATHS:
+            return _error(503, "model not loaded yet")
+        return None
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"request body over {self.max_bytes} bytes (the server's max_request_bytes)"
+        await _sglang_error(413, message)(scope, receive, send)
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline to receive each request, head and body. uvicorn
+    has none: a client trickling its headers or body a byte at a time would hold its connection
+    and the request's task forever. The deadline runs from the connection opening or from the
+    previous response; a request received whole is never cut, however long it then runs."""
+
+    read_timeout = 30.0
+    _read_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_read_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_read_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_read_deadline()
+        super().connection_lost(exc)
+
+    def _arm_read_deadline(self) -> None:
+        self._disarm_read_deadline()
+        self._read_deadline = self.loop.call_later(self.read_timeout, self._read_timed_out)
+
+    def _disarm_read_deadline(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _read_timed_out(self) -> None:
+        self._read_deadline = None
+        cycle = self.cycle  # None, or done, until a new request's head arrives; more_body until its end
+        if (cycle is None or cycle.response_complete or cycle.more_body) and not self.transport.is_closing():
+            logger.warning("closing the connection of %s: no whole request in %s s", self.client, self.read_timeout)
+            self.transport.close()
+
+
+def timed_protocol(read_timeout: float) -> type[TimedH11Protocol]:
+    return type("TimedH11Protocol", (TimedH11Protocol,), {"read_timeout": read_timeout})
+
+
+def create_app(service: EngineService, limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
     app = FastAPI(title="miles embedded engine (SGLang API)", openapi_url=None)
     _add_info_routes(app, service)
-    _add_generate_routes(app, service)
+    _add_generate_routes(app, service, limits)
+    _add_control_routes(app, service)
     _add_weight_routes(app, service)
-
-    @app.middleware("http")
-    async def require_model(request: Request, call_next):
-        # Everything but health and info needs the model; SGLang answers 503 while starting.
-        if not service.ready and request.url.path not in ("/health", "/health_generate", "/server_info",
-                                                          "/get_server_info"):
-            return _error(503, "model not loaded yet")
-        return await call_next(request)
-
-    @app.middleware("http")  # added last, so it runs first
-    async def require_key(request: Request, call_next):
-        if service.api_key and request.url.path not in ("/health", "/health_generate"):
-            sent = request.headers.get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {service.api_key}".encode()):
-                return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
-        return await call_next(request)
-
+    app.add_exception_handler(RequestError, lambda _, exc: _sglang_error(exc.status, exc.message))
+    app.add_exception_handler(StarletteHTTPException,
+                              lambda _, exc: _sglang_error(exc.status_code, str(exc.detail), exc.headers))
+    app.add_middleware(RequestGate, service=service, max_bytes=limits.max_request_bytes)
     return app
 
 
@@ -109,7 +355,8 @@ def _add_info_routes(app: FastAPI, service: EngineService) -> None:
     @app.get("/health")
     @app.get("/health_generate")
     async def health() -> Response:
-        return Response(status_code=200 if service.ready else 503)
+        # 503 also while the weights are no complete version: routers and restarts go by this
+        return Response(status_code=200 if service.healthy else 503)
 
     @app.get("/model_info")
     @app.get("/get_model_info")  # SGLang's deprecated alias
@@ -125,59 +372,119 @@ def _add_info_routes(app: FastAPI, service: EngineService) -> None:
         return {**service.server_args, "model_path": service.model_path,
                 "tokenizer_path": service.tokenizer_path, "weight_version": version,
                 "version": SERVER_VERSION,
-                "internal_states": [{"paused": service.paused, "in_flight": len(service.requests)}]}
+                "internal_states": [{"paused": service.paused, "in_flight": len(service.requests),
+                                     "weights_incomplete": service.weights_incomplete}]}
 
     @app.get("/get_weights_checksum")  # not SGLang: lets tests verify weights over HTTP
     async def weights_checksum() -> dict:
         return {"sha256": await run_in_threadpool(service.weights_sha256)}
 
 
-def _add_generate_routes(app: FastAPI, service: EngineService) -> None:
+def _batch_size_error(body: Any, limit: int) -> str | None:
+    """Why a /generate batch is over the server's limit, counted before anything reads it whole."""
+    if not isinstance(body, dict):
+        return None  # the validation's to refuse
+    for key in ("input_ids", "text"):
+        value = body.get(key)
+        if isinstance(value, list) and value and (key == "text" or isinstance(value[0], list)) and len(value) > limit:
+            return f"{len(value)} prompts in one request; this server takes at most {limit} (max_prompts_per_request)"
+    return None
+
+
+def _prompts(obj: GenerateReqInput, tokenizer: Any) -> tuple[list[list[int]], bool]:
+    """Token-id prompts of a /generate body, and whether it was a single (non-batch) request."""
+    if obj.input_ids is not None:
+        ids = obj.input_ids
+        single = not ids or not isinstance(ids[0], list)
+        prompts = [ids] if single else ids
+    elif obj.text is not None:
+        single = isinstance(obj.text, str)
+        texts = [obj.text] if single else obj.text
+        prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    else:
+        raise ValueError("a /generate request needs input_ids or text")
+    if not prompts:
+        raise ValueError("a /generate request needs at least one prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    return prompts, single
+
+
+def _rids(rid: str | list[str] | None, n: int) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    rids = [rid] if isinstance(rid, str) else list(rid)
+    if len(rids) != n:
+        raise ValueError(f"{len(rids)} rids for {n} prompts")
+    return rids
+
+
+async def _abort_when_client_leaves(request: Request, req: InFlight) -> None:
+    """Aborts a request whose client went away, as SGLang does: no one would read its answer.
+    The body was read, so the next message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    req.aborted.set()
+
+
+def _add_generate_routes(app: FastAPI, service: EngineService, limits: ServerLimits) -> None:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         started = time.perf_counter()
-        body = await _body(request)
-        try:
-            prompts, single = _prompts(body, service.engine.tokenizer)
-            rids = _rids(body.get("rid"), len(prompts))
-        except (ValueError, TypeError) as exc:
+        body = await _json(request)
+        if too_many := _batch_size_error(body, limits.max_prompts_per_request):
+            return _error(400, too_many)
+        obj = _validated(GenerateReqInput, body)
+        if service.weights_incomplete is not None:  # at once, not after waiting its turn
+            return _error(503, f"the engine holds no complete weight version: {service.weights_incomplete}")
+        try:  # tokenizing a batch of texts must not hold the event loop (health, abort)
+            prompts, single = await run_in_threadpool(_prompts, obj, service.engine.tokenizer)
+            rids = _rids(obj.rid, len(prompts))
+        except ValueError as exc:
             return _error(400, str(exc))
         req = service.register(rids)
+        watcher = asyncio.create_task(_abort_when_client_leaves(request, req))
         try:
             await service.wait_unpaused(req)
             outs = await asyncio.get_running_loop().run_in_executor(service.generation_thread, service.generate,
                                                                     req, prompts, body)
+        except EngineUnavailable as exc:
+            return _error(503, str(exc))
         except (ValueError, TypeError) as exc:  # bad sampling params: the caller's error
             return _error(400, f"{type(exc).__name__}: {exc}")
         finally:
+            watcher.cancel()
             service.unregister(req)
         for out, rid in zip(outs, rids):
             out["meta_info"].update(id=rid, cached_tokens=0, e2e_latency=time.perf_counter() - started)
         return outs[0] if single else outs
 
+
+def _add_control_routes(app: FastAPI, service: EngineService) -> None:
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        body = await _body(request)
-        service.abort(None if body.get("abort_all") else body.get("rid"))
+        obj = await _parse(request, AbortReq)
+        if obj.abort_all:
+            service.abort()
+        elif obj.rid:  # SGLang ignores an abort that names no request
+            service.abort(obj.rid)
         return Response(status_code=200)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
-        mode = (await _body(request)).get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            return _error(400, f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
-        service.pause(mode)
+        service.pause((await _parse(request, PauseGenerationReqInput)).mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
-    async def continue_generation() -> dict:
+    async def continue_generation(request: Request) -> dict:
+        await _parse(request, ContinueGenerationReqInput)
         service.paused = False
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         # No call reuses another's keys and values (each prefill overwrites its slots); refuse
-        # only while a batch runs, like SGLang.
+        # only while a batch runs, like SGLang. A flush does not complete a partial weight update.
         if service.current is not None:
             return Response("Cache not flushed: requests are running.\n", status_code=400)
         service.stale_cache_version = None
@@ -185,18 +492,23 @@ def _add_generate_routes(app: FastAPI, service: EngineService) -> None:
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def memory_occupation() -> dict:
+    async def memory_occupation(request: Request) -> dict:
+        await _parse(request, MemoryOccupationReqInput)
         # The engine keeps its weights and KV cache; --mem-fraction-static bounds what it holds.
         return weight_result(True, "no-op: the embedded engine keeps its memory")
 
 
-def _weight_route(fn):
-    """An endpoint running `fn(body)` in a worker thread (it may block on the generation lock
-    or on a broadcast) and answering {"success", "message"}: 200 on success, else 400."""
+def _weight_route(service: EngineService, fn, model: type[SGLangStruct]):
+    """An endpoint validating its body as `model`, then running `fn(body)` in a worker thread (it
+    may block on the generation lock or on a broadcast) and answering {"success", "message"}:
+    200 on success, else 400."""
 
     async def endpoint(request: Request) -> JSONResponse:
+        body = (await _parse(request, model)).model_dump()
+        if body.get("abort_all_requests"):
+            service.abort()
         try:
-            return _weights_response(await run_in_threadpool(fn, await _body(request)))
+            return _weights_response(await run_in_threadpool(fn, body))
         except Exception as exc:  # a bad request must answer, not kill the server
             logger.exception("%s failed", request.url.path)
             return _weights_response(weight_result(False, f"{type(exc).__name__}: {exc}"))
@@ -205,23 +517,23 @@ def _weight_route(fn):
 
 
 def _add_weight_routes(app: FastAPI, service: EngineService) -> None:
-    for path, fn in {"/update_weights_from_disk": service.update_from_disk,
-                     "/init_weights_update_group": service.init_group,
-                     "/update_weights_from_distributed": service.update_from_distributed,
-                     "/destroy_weights_update_group": service.destroy_group,
-                     "/begin_weight_update": service.begin_weight_update,
-                     "/end_weight_update": service.end_weight_update}.items():
-        app.add_api_route(path, _weight_route(fn), methods=["POST"])
+    for path, fn, model in [
+            ("/update_weights_from_disk", service.update_from_disk, UpdateWeightFromDiskReqInput),
+            ("/init_weights_update_group", service.init_group, InitWeightsUpdateGroupReqInput),
+            ("/update_weights_from_distributed", service.update_from_distributed, UpdateWeightsFromDistributedReqInput),
+            ("/destroy_weights_update_group", service.destroy_group, DestroyWeightsUpdateGroupReqInput),
+            ("/begin_weight_update", service.begin_weight_update, BeginWeightUpdateReqInput),
+            ("/end_weight_update", service.end_weight_update, EndWeightUpdateReqInput)]:
+        app.add_api_route(path, _weight_route(service, fn, model), methods=["POST"])
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
-        body = await _body(request)
-        if body.get("new_version") is None:
-            return _weights_response(weight_result(False, "new_version is required"))
-        if body.get("abort_all_requests"):
+        obj = await _parse(request, UpdateWeightVersionReqInput)
+        if obj.abort_all_requests:
             service.abort()
-        service.engine.weight_version = version = str(body["new_version"])
-        return JSONResponse({**weight_result(True, f"Weight version updated to {version}"), "new_version": version})
+        service.engine.weight_version = obj.new_version
+        return JSONResponse({**weight_result(True, f"Weight version updated to {obj.new_version}"),
+                             "new_version": obj.new_version})
 
 
 class ServerHandle:
@@ -296,18 +608,23 @@ class ServerHandle:
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 0, *, tokenizer_path: str | None = None,
           server_args: dict | None = None, dtype: str = "float32", num_threads: int | None = None,
           weight_version: str | None = None, load: bool = True, wait_ready: bool = True,
-          log_level: str = "warning", start_timeout: float = 30.0, api_key: str | None = None) -> ServerHandle:
+          log_level: str = "warning", start_timeout: float = 30.0, api_key: str | None = None,
+          limits: ServerLimits | None = None) -> ServerHandle:
     """Start the server in a background thread. port=0 picks a free port (see `.url`).
     With load=False the HTTP side is up (health answers 503) until `.load_model()`. With an
-    api_key every route but the health probes needs it (as SGLang's --api-key)."""
+    api_key every route but the health probes needs it (as SGLang's --api-key). limits: what one
+    client may ask (ServerLimits' defaults)."""
     service = EngineService(str(model_dir), tokenizer_path, server_args, dtype, num_threads, weight_version,
                             api_key=api_key)
+    limits = limits or ServerLimits()
     # Binding here, not inside uvicorn, is what makes port=0 usable: we know the port at once.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(create_app(service), log_level=log_level, lifespan="off",
-                            timeout_graceful_shutdown=2, access_log=False)
+    # h11 pinned (uvicorn's "auto" would take httptools where installed): the read deadline is ours.
+    config = uvicorn.Config(create_app(service, limits), log_level=log_level, lifespan="off",
+                            timeout_graceful_shutdown=2, access_log=False, ws="none",
+                            http=timed_protocol(limits.request_read_timeout))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
     thread.start()
@@ -333,6 +650,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--api-key")
+    # The embedded server's own bounds (SGLang has none of these); unset: ServerLimits' defaults.
+    parser.add_argument("--max-request-bytes", type=int)
+    parser.add_argument("--max-prompts-per-request", type=int)
+    parser.add_argument("--request-read-timeout", type=float)
     for key, is_flag in SERVER_ARGS.items():
         parser.add_argument("--" + key.replace("_", "-"), action="store_true" if is_flag else "store")
     args = parser.parse_args(argv)
@@ -349,10 +670,12 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server_args = {k: v for k, v in vars(args).items() if v not in (None, False) and k != "api_key"}
+    ours = {"max_request_bytes", "max_prompts_per_request", "request_read_timeout"}
+    limits = ServerLimits(**{k: getattr(args, k) for k in ours if getattr(args, k) is not None})
+    server_args = {k: v for k, v in vars(args).items() if v not in (None, False) and k not in ours | {"api_key"}}
     handle = serve(args.model_path, args.host, args.port, tokenizer_path=args.tokenizer_path,
                    server_args=server_args, dtype=args.dtype or "float32", weight_version=args.weight_version,
-                   api_key=args.api_key,
+                   api_key=args.api_key, limits=limits,
                    wait_ready=False, log_level=(args.log_level or "info").lower())
     logger.info("serving %s at %s", args.model_path, handle.url)
     stop.wait()
