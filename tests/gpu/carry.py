@@ -2,7 +2,7 @@
 """Wheels for the lent GPU machine (Python 3.12, torch 2.11, no network), in sets of under 64 MiB:
 what a device call can carry. Run here (a machine that reaches PyPI):
 
-    python3 tests/gpu/carry.py .whl/gpu          # -> .whl/gpu/{sglang-a,sglang-b,ray}
+    python3 tests/gpu/carry.py .whl/gpu          # -> .whl/gpu/{sglang-a,sglang-b,tools,ray}
 
 On the GPU machine, after each set arrives: `sh tests/gpu/install.sh .whl/gpu/<set>`.
 
@@ -11,8 +11,10 @@ On the GPU machine, after each set arrives: `sh tests/gpu/install.sh .whl/gpu/<s
   the Hopper (sm90) ops: FA3 (342 MB) is dropped, so the server runs with the triton attention
   backend. SGLang's own pins (transformers 5.12.1 among them) go to a folder of their own, which
   only the SGLang server's interpreter sees (`rollout.engine.python`).
-- ray: Ray 2.60.0 without its Java jar (30 MB; nothing here starts Java workers), and what
-  else the project's processes and tests need that the image lacks (pydantic, pytest).
+- tools: what the project's processes and tests need that the image lacks (pydantic, pytest);
+  small enough to travel with sglang-b.
+- ray: Ray 2.60.0 without its Java jar (30 MB; nothing here starts Java workers), for the
+  driver (bench/driver_gpu.py); tests/gpu stub Ray where it is absent.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ SGLANG_B = (
     "python-multipart==0.0.34 pyzmq==27.3.0 referencing==0.37.0 rpds-py==2026.9.1 setproctitle==1.3.8 "
     "sniffio==1.3.1 stack-data==0.6.3 starlette==1.10.0 traitlets==5.16.1 typing-extensions==4.16.0 "
     "typing-inspection==0.4.5 uvicorn==0.55.0 wcwidth==0.9.5 torch-memory-saver==0.0.10")
-RAY = ("ray==2.60.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 "
-       "msgpack==1.2.4 pytest==9.2.0 pluggy==1.6.0 iniconfig==2.3.0")
+TOOLS = ("pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 pytest==9.2.0 "
+         "pluggy==1.6.0 iniconfig==2.3.0")
+RAY = "ray==2.60.0 msgpack==1.2.4"
 # wheel name prefix -> member patterns left out
 SLIM = {"sglang_kernel-": ("flash_ops", "/sm100/", "infllm_ops", "flashmla_ops"),
         "xgrammar-": (r"lib/libxgrammar\.a$", "/include/"),
@@ -89,7 +92,7 @@ def build_set(specs: str, out: Path) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ".whl/gpu")
-    for name, specs in (("sglang-a", SGLANG_A), ("sglang-b", SGLANG_B), ("ray", RAY)):
+    for name, specs in (("sglang-a", SGLANG_A), ("sglang-b", SGLANG_B), ("tools", TOOLS), ("ray", RAY)):
         build_set(specs, out / name)
 
 

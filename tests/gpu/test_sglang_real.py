@@ -17,12 +17,17 @@ import signal
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+try:
+    import ray  # noqa: F401
+except ImportError:  # engine_group imports Ray at module level; launch_engine never calls it
+    sys.modules["ray"] = types.ModuleType("ray")
 
 SGLANG_PYTHON = os.environ.get("SGLANG_PYTHON")
 pytestmark = [pytest.mark.gpu,
