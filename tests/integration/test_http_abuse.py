@@ -302,7 +302,8 @@ def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") ->
 
 def test_slow_clients_are_disconnected_and_slow_work_is_not(tiny_model_dir):
     """A client that trickles its headers or its body, or connects and sends nothing, is cut off
-    after request_read_timeout; a request received whole runs past it."""
+    after request_read_timeout (uvicorn has no such deadline); an oversized head is refused at
+    once; a request received whole runs past the deadline."""
     handle = serve(tiny_model_dir, num_threads=1, limits=ServerLimits(request_read_timeout=1.0))
     try:
         head = b"POST /generate HTTP/1.1\r\nHost: engine\r\n"
@@ -314,6 +315,9 @@ def test_slow_clients_are_disconnected_and_slow_work_is_not(tiny_model_dir):
             assert _closed_within(slow_body, 4, trickle=b'"input_ids": [5' + b" " * 200)
             assert _closed_within(idle, 4)
             assert time.monotonic() - started < 6
+        with _connect(handle.url) as huge_head:  # h11 holds at most 16 KiB of an unfinished head
+            huge_head.sendall(head + b"X-Big: " + b"a" * (32 << 10))
+            assert _read_until(huge_head, b"\r\n\r\n").startswith(b"HTTP/1.1 400")
         slow = SlowForward(handle.engine.model, 0.3)  # 2.4 s of generation, past the 1 s deadline
         try:
             [out] = SGLangClient(handle.url, timeout_seconds=30, retries=0).generate([5, 6], {
@@ -453,10 +457,11 @@ def test_a_trainer_killed_mid_broadcast_leaves_the_engine_unhealthy(tiny_model_d
 def test_a_weight_update_that_fails_before_touching_the_weights_keeps_the_engine_serving(server, target_dir):
     """A refused or failed update that loaded nothing leaves one complete version: still healthy."""
     client = SGLangClient(server.url, timeout_seconds=30, retries=0)
+    version = client.weight_version()
     with pytest.raises(EngineError, match="no \\*.safetensors"):
         client.update_weights_from_disk(str(target_dir.parent), weight_version="5")
     resp = requests.post(server.url + "/update_weights_from_disk", json={"model_path": str(target_dir / "nope")},
                          timeout=10)
     assert resp.status_code == 400
     assert _health(server.url) == (200, 200)
-    assert client.generate([5, 6], {"max_new_tokens": 2})[0]["meta_info"]["weight_version"] == "default"
+    assert client.generate([5, 6], {"max_new_tokens": 2})[0]["meta_info"]["weight_version"] == version
