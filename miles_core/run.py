@@ -150,7 +150,7 @@ class TrainingRun:
             ckpt.discard_after(self.checkpoints_dir, -1)
             return LoopState(), None
         step, path = latest
-        ckpt.check_resumable(path, self.identity, self.cfg.digest())
+        ckpt.check_resumable(path, self.identity)
         ckpt.discard_after(self.checkpoints_dir, step)
         extra = ray.get(self.trainer.load_state.remote(str(path)))
         self.source.load_state_dict(extra["data"])
