@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -134,10 +135,9 @@ def _index_url() -> str:
 @pytest.fixture(scope="module")
 def project_wheel(tmp_path_factory) -> Path:
     """This project's wheel, built from a copy of its sources (the checkout stays untouched)."""
-    import pip
-
-    if Version(pip.__version__) < Version("23.0"):
-        pytest.skip(f"pip {pip.__version__} is too old for `install --dry-run --report`")
+    pip_version = importlib.metadata.version("pip")  # not `import pip`: it would change distutils for later tests
+    if Version(pip_version) < Version("23.0"):
+        pytest.skip(f"pip {pip_version} is too old for `install --dry-run --report`")
     index = _index_url()
     try:
         urllib.request.urlopen(urllib.request.Request(f"{index}/sglang/", method="HEAD"), timeout=20).close()
