@@ -5,336 +5,61 @@ the same client, launcher, router and weight-update calls. Launch it like SGLang
 
     python -m miles_core.rollout.http_server --model-path DIR --host 127.0.0.1 --port 30000
 
-The routes are thin: what they do is `engine_service.EngineService`'s.
-
-Bodies are checked as SGLang's FastAPI server checks them: a malformed, non-object or wrongly
-typed body is a 400 in SGLang's ErrorResponse shape, never a 500. On top, bounds SGLang does not
-set (ServerLimits): the body's size (413), the prompts of one /generate (400), and the time a
-client may take to send its request (disconnected).
+The routes are thin: what they do is `engine_service.EngineService`'s. What a body may be is
+`http_requests`'; what one client may ask and how long it may take, `http_limits`'.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
-import json
 import logging
 import os
-import reprlib
 import signal
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from http import HTTPStatus
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any
 
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from miles_core.rollout.engine import EmbeddedEngine
 from miles_core.rollout.engine_service import EngineService, EngineUnavailable, weight_result
 from miles_core.rollout.engine_service import Request as InFlight
+from miles_core.rollout.http_limits import RequestGate, ServerLimits, timed_protocol
+from miles_core.rollout.http_requests import (
+    AbortReq,
+    BeginWeightUpdateReqInput,
+    ContinueGenerationReqInput,
+    DestroyWeightsUpdateGroupReqInput,
+    EndWeightUpdateReqInput,
+    GenerateReqInput,
+    InitWeightsUpdateGroupReqInput,
+    MemoryOccupationReqInput,
+    PauseGenerationReqInput,
+    RequestError,
+    SGLangStruct,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightVersionReqInput,
+    _error,
+    _json,
+    _parse,
+    _sglang_error,
+    _validated,
+)
 from miles_core.rollout.sglang_args import SERVER_ARGS
 from miles_core.shared_weights import BufferHandle, SharedWeights
 
 logger = logging.getLogger(__name__)
 SERVER_VERSION = "miles-embedded-1"
-PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one client may ask of the server; SGLang bounds none of these."""
-
-    max_request_bytes: int = 64 << 20
-    """A larger body is answered 413, from its Content-Length or once that many bytes arrived."""
-    max_prompts_per_request: int = 16384
-    """A larger /generate batch is refused (400). Rollouts send batch x samples per engine (1024 in
-    the recipes here); a million prompts would hold the engine for minutes."""
-    request_read_timeout: float = 30.0
-    """Seconds a client has to send a whole request, head and body, counted from connecting or
-    from the previous response; a slower one is disconnected."""
-
-
-# ---- request bodies: SGLang's request structs (managers/io_struct.py) ------------------------------
-# Lists stop at their first bad item: pydantic's default reports every one, and a body's worth of
-# them costs minutes and gigabytes.
-Strs = Annotated[list[str], Field(fail_fast=True)]
-IntRows = Annotated[list[Annotated[list[int], Field(fail_fast=True)]], Field(fail_fast=True)]
-I64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-I64s = Annotated[list[I64], Field(fail_fast=True)]
-I64Rows = Annotated[list[I64s], Field(fail_fast=True)]
-Bools = Annotated[list[bool], Field(fail_fast=True)]
-Dicts = Annotated[list[dict[str, Any]], Field(fail_fast=True)]
-
-
-class SGLangStruct(BaseModel):
-    """SGLang's msgspec structs reach FastAPI as typed dicts: unknown keys ignored, lax types
-    ("5" for an int, never 5 for a string)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-
-class AbortReq(SGLangStruct):
-    rid: str | None = None
-    abort_all: bool = False
-
-
-class PauseGenerationReqInput(SGLangStruct):
-    mode: Literal[PAUSE_MODES] = "abort"
-
-
-class ContinueGenerationReqInput(SGLangStruct):
-    torch_empty_cache: bool = True
-
-
-class MemoryOccupationReqInput(SGLangStruct):  # Release- and ResumeMemoryOccupationReqInput
-    tags: Strs | None = None
-
-
-class UpdateWeightVersionReqInput(SGLangStruct):
-    new_version: str
-    abort_all_requests: bool = True  # SGLang's default
-
-
-class UpdateWeightFromDiskReqInput(SGLangStruct):
-    model_path: str
-    load_format: str | None = None
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    flush_cache: bool = True
-
-
-class InitWeightsUpdateGroupReqInput(SGLangStruct):
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = "weight_update_group"
-    backend: str = "gloo"  # SGLang's is nccl; the embedded engine also runs on CPU
-
-
-class UpdateWeightsFromDistributedReqInput(SGLangStruct):
-    names: Strs
-    dtypes: Strs
-    shapes: IntRows
-    group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    load_format: str | None = None
-
-
-class DestroyWeightsUpdateGroupReqInput(SGLangStruct):
-    group_name: str = "weight_update_group"
-
-
-class BeginWeightUpdateReqInput(SGLangStruct):
-    selector: Literal["target", "draft", "all"] = "all"
-
-
-class EndWeightUpdateReqInput(SGLangStruct):
-    pass
-
-
-class GenerateReqInput(BaseModel):
-    """The /generate fields the engine reads, as SGLang 0.5.23 admits them: its JSON contract
-    (sglang/api/v1/api_types.py) takes JSON types exactly (no "5" for 5) and integers in int64."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-    rid: str | Strs | None = None
-    text: str | Strs | None = None
-    input_ids: I64s | I64Rows | None = None
-    sampling_params: dict[str, Any] | Dicts | None = None
-    return_logprob: bool | Bools | None = None
-    logprob_start_len: I64 | I64s | None = None
-    return_routed_experts: bool = False
-    stream: bool | None = None
-
-
-# ---- errors ------------------------------------------------------------------------------------
-
-class RequestError(Exception):
-    """A request SGLang's validation refuses: answered in its ErrorResponse shape."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.message, self.status = message, status
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    """SGLang's answer to a request its handler refuses (_create_error_response)."""
-    return JSONResponse({"error": {"message": message}}, status_code=status)
-
-
-def _sglang_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """SGLang's answer to a body its validation refuses (400, type "Bad Request") or to an
-    HTTPException (type: the status), both as the OpenAI protocol's ErrorResponse."""
-    kind = HTTPStatus.BAD_REQUEST.phrase if status == 400 else str(status)
-    return JSONResponse({"object": "error", "message": message, "type": kind, "param": None, "code": status},
-                        status_code=status, headers=headers)
-
-
-def _weights_response(result: dict) -> JSONResponse:
-    return JSONResponse(result, status_code=200 if result["success"] else 400)
-
-
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 3, 4, 4, 60, 60
-MAX_ERRORS_SHOWN = 5
-
-
-def _validation_message(errors: list[dict]) -> str:
-    """Validation errors as SGLang words them (FastAPI's list, each with its input), the first
-    few, their inputs cut short: echoed whole, one input could be megabytes."""
-    shown = [{"type": e["type"], "loc": ("body", *e["loc"]), "msg": e["msg"], "input": _SHORT.repr(e.get("input")),
-              **({"ctx": {k: str(v)[:200] for k, v in e["ctx"].items()}} if e.get("ctx") else {})}
-             for e in errors[:MAX_ERRORS_SHOWN]]
-    more = f" and {len(errors) - MAX_ERRORS_SHOWN} more" if len(errors) > MAX_ERRORS_SHOWN else ""
-    return f"{len(errors)} validation error{'s' if len(errors) > 1 else ''}: {shown}{more}"
-
-
-# ---- bodies: read, parsed and validated --------------------------------------------------------
-
-M = TypeVar("M", bound=BaseModel)
-
-
-async def _json(request: Request) -> Any:
-    """The request's JSON body, or RequestError worded as FastAPI words each failure."""
-    raw = await request.body()
-    if not raw.strip():  # SGLang's handlers take a required Body(): an empty one is refused
-        raise RequestError(_validation_message([{"type": "missing", "loc": (), "msg": "Field required"}]))
-    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise RequestError(f"Unsupported Media Type {media!r}: the body must be application/json")
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise RequestError(_validation_message([{"type": "json_invalid", "loc": (exc.pos,), "msg": "JSON decode error",
-                                                 "input": {}, "ctx": {"error": exc.msg}}])) from None
-    except (ValueError, RecursionError):  # invalid UTF-8, a 5000-digit number, nesting past the parser's stack
-        raise RequestError("There was an error parsing the body") from None
-
-
-def _validated(model: type[M], data: Any) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise RequestError(_validation_message(exc.errors(include_url=False))) from None
-
-
-async def _parse(request: Request, model: type[M]) -> M:
-    return _validated(model, await _json(request))
-
-
-OPEN_PATHS = ("/health", "/health_generate")  # no API key needed
-BEFORE_LOAD_PATHS = ("/health", "/health_generate", "/server_info", "/get_server_info")
-
-
-class RequestGate:
-    """What every request passes before a route: the API key (as SGLang's --api-key: all but the
-    health probes), the model loaded (SGLang answers 503 while starting), then its body read,
-    at most `max_bytes` of it: a larger one is answered 413 from its Content-Length before a
-    byte of it is read, or once that many bytes arrived (a chunked body); what the client still
-    sends, the protocol drops unread. Pure ASGI: Starlette's BaseHTTPMiddleware would turn a
-    request left unanswered (its client gone mid-body) into a logged 500."""
-
-    def __init__(self, app: ASGIApp, service: EngineService, max_bytes: int):
-        self.app, self.service, self.max_bytes = app, service, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if refusal := self._refusal(scope["path"], headers):
-            return await refusal(scope, receive, send)
-        declared = headers.get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._too_large(scope, receive, send)
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left, or was cut off for sending too slowly: no one to answer
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                return await self._too_large(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-        pending = [{"type": "http.request", "body": bytes(body), "more_body": False}]
-        del body
-
-        async def replay() -> Message:  # the body once, then the client's later messages (a disconnect)
-            return pending.pop() if pending else await receive()
-
-        await self.app(scope, replay, send)
-
-    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> JSONResponse | None:
-        key = self.service.api_key
-        if key and path not in OPEN_PATHS:
-            sent = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(sent, f"Bearer {key}".encode()):
-                return _error(401, "missing or wrong API key (Authorization: Bearer <key>)")
-        if not self.service.ready and path not in BEFORE_LOAD_PATHS:
-            return _error(503, "model not loaded yet")
-        return None
-
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = f"request body over {self.max_bytes} bytes (the server's max_request_bytes)"
-        await _sglang_error(413, message)(scope, receive, send)
-
-
-class TimedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline to receive each request, head and body. uvicorn
-    has none: a client trickling its headers or body a byte at a time would hold its connection
-    and the request's task forever. The deadline runs from the connection opening or from the
-    previous response; a request received whole is never cut, however long it then runs."""
-
-    read_timeout = 30.0
-    _read_deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm_read_deadline()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_read_deadline()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_read_deadline()
-        super().connection_lost(exc)
-
-    def _arm_read_deadline(self) -> None:
-        self._disarm_read_deadline()
-        self._read_deadline = self.loop.call_later(self.read_timeout, self._read_timed_out)
-
-    def _disarm_read_deadline(self) -> None:
-        if self._read_deadline is not None:
-            self._read_deadline.cancel()
-            self._read_deadline = None
-
-    def _read_timed_out(self) -> None:
-        self._read_deadline = None
-        cycle = self.cycle  # None, or done, until a new request's head arrives; more_body until its end
-        if (cycle is None or cycle.response_complete or cycle.more_body) and not self.transport.is_closing():
-            logger.warning("closing the connection of %s: no whole request in %s s", self.client, self.read_timeout)
-            self.transport.close()
-
-
-def timed_protocol(read_timeout: float) -> type[TimedH11Protocol]:
-    return type("TimedH11Protocol", (TimedH11Protocol,), {"read_timeout": read_timeout})
 
 
 def create_app(service: EngineService, limits: ServerLimits | None = None) -> FastAPI:
@@ -496,6 +221,10 @@ def _add_control_routes(app: FastAPI, service: EngineService) -> None:
         await _parse(request, MemoryOccupationReqInput)
         # The engine keeps its weights and KV cache; --mem-fraction-static bounds what it holds.
         return weight_result(True, "no-op: the embedded engine keeps its memory")
+
+
+def _weights_response(result: dict) -> JSONResponse:
+    return JSONResponse(result, status_code=200 if result["success"] else 400)
 
 
 def _weight_route(service: EngineService, fn, model: type[SGLangStruct]):

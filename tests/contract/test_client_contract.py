@@ -194,7 +194,7 @@ def test_the_embedded_server_serves_sglang_routes(version):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_embedded_server_takes_sglang_pause_modes(version):
     """The stand-in accepts exactly the modes of SGLang's PauseGenerationReqInput."""
-    from miles_core.rollout.http_server import PAUSE_MODES
+    from miles_core.rollout.http_requests import PAUSE_MODES
 
     [mode] = [f for f in SNAPSHOT["versions"][version]["io_structs"]["classes"]["PauseGenerationReqInput"]["fields"]
               if f["name"] == "mode"]
