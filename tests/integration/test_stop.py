@@ -86,3 +86,29 @@ def test_sigterm_stops_a_run_whose_download_hangs(wedged_hub, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM and "aborted by a termination signal" in output, output[-3000:]
     assert "marked FAILED" in output  # the MLflow run does not stay RUNNING
     assert "Stopping temporary server" in output  # not orphaned: it would keep serving after the run
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_in_the_train_stage_exits_143(tmp_path):
+    """After ensure_ray: ray.init had replaced SIGTERM's handlers (Ray's exit 1, and absl's,
+    whose 3 s alarm aborted the process: SIGABRT), and the termination Prefect raises inside
+    ray.get comes out as a SystemError."""
+    cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "configs/local.yaml"),
+           "--set", f"storage.work_dir={tmp_path / 'work'}", "--set", "warmup.sft_steps=2",
+           "--set", "data.builtin.num_train=1000", "--set", "data.builtin.num_eval=20",
+           "--set", "training.num_steps=1000"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "stage train ..." in line:
+            break
+    time.sleep(5)  # inside the stage: engines and trainers start, then steps run
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    rest, _ = proc.communicate(timeout=90)
+    output = "".join(lines) + rest
+    assert time.monotonic() - signalled < 60, output[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "run stopped by SIGTERM" in output and "marked FAILED" in output, output[-3000:]
+    assert "Stopping temporary server" in output
