@@ -14,6 +14,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from infra.stack import RAY_LOOPBACK_ONLY
 from miles_core.config import ConfigError, RunConfig, field_docs, load_config
 from miles_core.config.schema import choose_transport
 from miles_core.placement import describe, strategy
@@ -52,10 +53,9 @@ def quiet_libraries() -> None:
 def local_environment(work_dir: str, ray_address: str | None = None) -> None:
     """Defaults for the embedded stack; anything already set in the environment wins.
 
-    A local Ray cluster takes token auth with a token drawn for this process (inherited by the
-    raylet and workers, never written or logged): Ray's servers listen on every interface and
-    have no loopback-only option, so the token is what keeps other hosts out. Ray reads the
-    mode once, at import, so this must run before anything imports Ray.
+    A local Ray cluster binds loopback only and takes token auth with a token drawn for this
+    process (inherited by the raylet and workers, never written or logged). Ray reads both once,
+    at import, so this must run before anything imports Ray.
     """
     root = Path(work_dir).resolve()
     (root / "prefect").mkdir(parents=True, exist_ok=True)
@@ -75,6 +75,8 @@ def local_environment(work_dir: str, ray_address: str | None = None) -> None:
         os.environ.setdefault(key, value)
     if os.environ["RAY_AUTH_MODE"] == "token":
         os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    if not (ray_address or os.environ.get("RAY_ADDRESS")):
+        os.environ.setdefault(*RAY_LOOPBACK_ONLY)
     if "prefect" in sys.modules:  # Prefect reads its settings once, at import
         from prefect.settings import get_current_settings
 

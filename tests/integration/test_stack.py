@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import uuid
 
 import psutil
@@ -94,14 +95,43 @@ def test_services_healthy_and_on_loopback(live_stack):
     for name, addrs in _listening(live_stack.state_dir).items():
         if name == "worker":
             assert not addrs, addrs  # it only polls the Prefect server
-        elif name == "ray":
-            assert addrs  # Ray cannot bind to loopback only (see infra/stack.py)
-        else:
+        else:  # Ray's too, metrics servers included (infra/stack.py RAY_LOOPBACK_ONLY)
             assert addrs and {ip for ip, _ in addrs} <= LOOPBACK_IPS, (name, addrs)
 
 
+LOCAL_RAY_LISTENERS = """
+import json, os, sys, time
+from flows.cli import local_environment
+local_environment(sys.argv[1])
+import psutil, ray
+from tasks.cluster import _init_ray
+_init_ray(ray, None, 1)
+ports = {"metrics": ray.get_runtime_context().worker.node.metrics_export_port}
+time.sleep(5)  # the dashboard's and autoscaler's metrics servers start after ray.init returns
+pids = {p.pid for p in psutil.Process().children(recursive=True)} | {os.getpid()}
+ports["listening"] = [[c.laddr.ip, c.laddr.port] for c in psutil.net_connections("tcp")
+                      if c.status == psutil.CONN_LISTEN and c.pid in pids]
+print(json.dumps(ports))
+"""
+
+
+def test_the_local_ray_of_miles_run_listens_on_loopback_only(tmp_path):
+    """Ray's metrics servers answer without the token: `miles run`'s own Ray (local_environment,
+    then ensure_ray's ray.init) must not be reachable from other hosts at all."""
+    from tests.conftest import REPO, run_env
+
+    env = {k: v for k, v in run_env().items() if not k.startswith("RAY_")}
+    proc = subprocess.run([sys.executable, "-c", LOCAL_RAY_LISTENERS, str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    addrs = {(ip, port) for ip, port in found["listening"]}
+    assert any(port == found["metrics"] for _, port in addrs), found
+    assert {ip for ip, _ in addrs} <= LOOPBACK_IPS, addrs
+
+
 def test_ray_refuses_clients_without_the_stacks_token(live_stack):
-    """Ray listens beyond loopback, so it runs with token auth: the Jobs API answers a client
+    """Ray runs with token auth (every local user reaches loopback): the Jobs API answers a client
     with the env file's token and refuses one without it."""
     env = stack.read_env_file(live_stack.state_dir)
     assert env["RAY_AUTH_MODE"] == "token" and len(env["RAY_AUTH_TOKEN"]) >= 64
