@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,29 +93,42 @@ def _prompt_problem(prompt: Any) -> str | None:
     return None
 
 
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each non-blank line of a jsonl file, decoded as UTF-8 one line at
+    a time: a text-mode read decodes in blocks, and its UnicodeDecodeError names neither the
+    file nor the line. A line that is not UTF-8 raises a ValueError that names both."""
+    with Path(path).open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path}:{line_no}: not UTF-8 text ({exc.reason} at byte {exc.start + 1} of the line): "
+                    "data files are read as UTF-8; convert the file (e.g. `iconv -f latin1 -t utf-8`)") from None
+            if line.strip():
+                yield line_no, line
+
+
 def read_prompts(path: str | Path, data: DataConfig, tokenizer) -> list[Prompt]:
     """Read a jsonl of prompts (chat messages or text) + labels and tokenise them."""
     prompts, skipped_long = [], 0
-    with Path(path).open() as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            problem = row_problem(line, data.prompt_key, data.label_key)
-            if problem is not None:
-                raise ValueError(f"{path}:{line_no}: {problem}")
-            row = json.loads(line)
-            messages, label = row[data.prompt_key], _label_of(row, data.label_key)
-            if isinstance(messages, list) and data.apply_chat_template:
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                ids = list(ids if isinstance(ids, list) else ids["input_ids"])
-            else:
-                text = messages if isinstance(messages, str) else "".join(m["content"] for m in messages)
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > data.max_prompt_tokens:
-                skipped_long += 1
-                continue
-            extra = {k: v for k, v in row.items() if k not in (data.prompt_key, data.label_key)}
-            prompts.append(Prompt(len(prompts), messages, label, ids, extra))
+    for line_no, line in jsonl_lines(path):
+        problem = row_problem(line, data.prompt_key, data.label_key)
+        if problem is not None:
+            raise ValueError(f"{path}:{line_no}: {problem}")
+        row = json.loads(line)
+        messages, label = row[data.prompt_key], _label_of(row, data.label_key)
+        if isinstance(messages, list) and data.apply_chat_template:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+        else:
+            text = messages if isinstance(messages, str) else "".join(m["content"] for m in messages)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > data.max_prompt_tokens:
+            skipped_long += 1
+            continue
+        extra = {k: v for k, v in row.items() if k not in (data.prompt_key, data.label_key)}
+        prompts.append(Prompt(len(prompts), messages, label, ids, extra))
     if not prompts:
         raise ValueError(f"{path}: no usable prompts ({skipped_long} longer than data.max_prompt_tokens)")
     return prompts

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from miles_core.config import ConfigError, RunConfig
-from miles_core.data import row_problem
+from miles_core.data import jsonl_lines, row_problem
 from miles_core.models import local_source_dir
 from miles_core.plugins import load_optional
 from miles_core.rewards import get_reward
@@ -101,17 +101,14 @@ def _file_problems(field: str, path: Path, prompt_key: str, label_key: str, max_
         return
     found, rows = 0, 0
     try:
-        with path.open(encoding="utf-8") as fh:
-            for line_no, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                rows += 1
-                problem = row_problem(line, prompt_key, label_key)
-                if problem is not None and found < max_reported:
-                    yield f"{field}: {path}:{line_no}: {problem}"
-                found += problem is not None
-    except UnicodeDecodeError as exc:
-        yield f"{field}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        for line_no, line in jsonl_lines(path):
+            rows += 1
+            problem = row_problem(line, prompt_key, label_key)
+            if problem is not None and found < max_reported:
+                yield f"{field}: {path}:{line_no}: {problem}"
+            found += problem is not None
+    except ValueError as exc:  # a line that is not UTF-8: it names the file and line
+        yield f"{field}: {exc}"
         return
     if found > max_reported:
         yield f"{field}: {path}: {found - max_reported} more bad rows"

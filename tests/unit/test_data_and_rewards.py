@@ -45,6 +45,14 @@ def test_reader_rejects_rows_without_label_with_line_number(tmp_path, tiny_model
         read_prompts(path, DataConfig(), AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
+def test_reader_names_file_and_line_of_a_row_that_is_not_utf8(tmp_path, tiny_model_dir):
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps({"prompt": "1+1=", "label": "2"}).encode()
+    path.write_bytes(good + b"\n" + good + b"\n" + b'{"prompt": "caf\xe9", "label": "2"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl:3: not UTF-8 text .*convert the file"):
+        read_prompts(path, DataConfig(), AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
 def test_reader_skips_overlong_prompts(tmp_path, tiny_model_dir):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n" + json.dumps({"prompt": "9" * 50, "label": "9"}))

@@ -39,6 +39,13 @@ def test_each_bad_row_is_named_with_file_and_line(tmp_path, row, problem):
     assert f"data.train_path: {path}:2: " in str(err.value) and problem in str(err.value)
 
 
+def test_a_row_that_is_not_utf8_is_named_with_file_and_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes((json.dumps(GOOD_ROW) + "\n").encode() * 2 + b'{"prompt": "caf\xe9", "label": "2"}\n')
+    with pytest.raises(PreflightError, match=rf"data.train_path: {path}:3: not UTF-8 text"):
+        preflight(build_config({}, [f"data.train_path={path}"]))
+
+
 def test_every_problem_is_reported_at_once(tmp_path):
     cfg = build_config({}, [f"data.train_path={tmp_path / 'missing.jsonl'}", f"model.source={tmp_path}",
                             "rollout.reward=no_such_reward", "eval.datasets=[{name: aime, path: /nope.jsonl}]"])
