@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -71,6 +72,19 @@ class ArithmeticTaskConfig(Section):
     """Operands are drawn from [0, max_operand]."""
     seed: int = 1234
     """Seed of the problem generator, part of the dataset's identity."""
+
+    @model_validator(mode="after")
+    def _enough_distinct_problems(self) -> ArithmeticTaskConfig:
+        """Train and held-out problems are distinct pairs (a, b): refused here, a recipe asking
+        for more would pass `miles plan` and the preflight and fail only in prepare-data."""
+        available, needed = (self.max_operand + 1) ** 2, self.num_train + self.num_eval
+        if needed > available:
+            least = math.isqrt(needed - 1)  # the smallest m with (m + 1)^2 >= needed
+            raise ValueError(
+                f"num_train + num_eval = {needed} distinct problems, but max_operand={self.max_operand} gives at "
+                f"most {available} ((max_operand + 1)^2 pairs): lower num_train + num_eval to {available} or less, "
+                f"or raise max_operand to {least} or more")
+        return self
 
 
 class DataConfig(Section):

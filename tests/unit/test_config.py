@@ -55,6 +55,16 @@ def test_digest_changes_with_content():
     assert RunConfig().digest() != build_config({}, ["seed=7"]).digest()
 
 
+def test_builtin_task_asking_for_more_distinct_problems_than_exist_is_refused():
+    """Operands up to 9 give 100 pairs; the recipe's 4000 + 200 would fail only in prepare-data."""
+    with pytest.raises(ConfigError) as err:
+        build_config({}, ["data.builtin.max_operand=9"])
+    assert "data.builtin: " in str(err.value)
+    assert "num_train + num_eval = 4200" in str(err.value) and "max_operand=9 gives at most 100" in str(err.value)
+    assert "raise max_operand to 64 or more" in str(err.value)
+    build_config({}, ["data.builtin.max_operand=9", "data.builtin.num_train=90", "data.builtin.num_eval=10"])
+
+
 def test_hf_source_shape_and_sglang_needs_gpu():
     with pytest.raises(ConfigError, match="hf://org/repo"):
         build_config({"model": {"source": "hf://justrepo"}})
