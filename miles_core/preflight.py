@@ -76,11 +76,15 @@ def _hub_problems(source: str) -> Iterator[str]:
 
 
 def _remote_dir_problems(field: str, uri: str) -> Iterator[str]:
-    from miles_core.storage import filesystem
+    from miles_core.storage import filesystem, s3_bucket_problem
 
     try:
         fs, root = filesystem(uri, REMOTE_TIMEOUT_SECONDS)
-        if not fs.exists(root):
+        # exists() is False for any S3 failure: ask the bucket first, for the real reason
+        problem = s3_bucket_problem(fs, root.split("/", 1)[0]) if uri.startswith(("s3://", "s3a://")) else None
+        if problem:
+            yield f"{field}: {uri}: {problem}"
+        elif not fs.exists(root):
             yield f"{field}: {uri} does not exist"
     except Exception as exc:  # noqa: BLE001 - any failure to reach the store is the finding
         yield f"{field}: {uri} is not reachable ({type(exc).__name__}: {str(exc)[:200]})"

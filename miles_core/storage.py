@@ -62,6 +62,25 @@ def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
     return "s3" in protocols
 
 
+def s3_bucket_problem(fs: fsspec.AbstractFileSystem, bucket: str) -> str | None:
+    """What keeps `fs` from using an S3 bucket (None when nothing does), from the request's own
+    error: s3fs's exists() answers False whatever failed, so a store without credentials, or
+    with refused ones, was reported as a missing bucket. Network failures propagate."""
+    from botocore.exceptions import NoCredentialsError, PartialCredentialsError
+
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)
+    except (NoCredentialsError, PartialCredentialsError) as exc:
+        return (f"no usable S3 credentials ({exc}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(or AWS_PROFILE) in the environment that runs this (`source <state dir>/env` for the local stack)")
+    except PermissionError as exc:
+        return (f"the S3 credentials were refused for bucket {bucket} ({exc}): check AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, and that they may read and write the bucket")
+    except FileNotFoundError:
+        return f"bucket {bucket} does not exist: create it (`aws s3 mb s3://{bucket}`) or name another"
+    return None
+
+
 def _remote_sha256(fs: fsspec.AbstractFileSystem, path: str, chunk_bytes: int = 8 << 20) -> str:
     digest = hashlib.sha256()
     with fs.open(path, "rb") as fh:

@@ -46,6 +46,47 @@ def test_a_row_that_is_not_utf8_is_named_with_file_and_line(tmp_path):
         preflight(build_config({}, [f"data.train_path={path}"]))
 
 
+@pytest.fixture
+def s3_bucket(monkeypatch, tmp_path):
+    """A moto S3 server holding bucket `miles`, and an environment with no AWS credentials
+    (no variables, no shared files, no instance metadata)."""
+    import boto3
+    from moto import settings
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://{host}:{port}")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for key in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.setenv(key, str(tmp_path / "none"))
+    boto3.client("s3", aws_access_key_id="k", aws_secret_access_key="s").create_bucket(Bucket="miles")
+    yield settings
+    server.stop()
+
+
+def test_s3_store_credentials_are_not_reported_as_a_missing_bucket(s3_bucket, monkeypatch):
+    """s3fs's exists() is False whatever failed: without credentials the store was said not to exist."""
+    def store_problems(uri: str) -> str:
+        with pytest.raises(PreflightError) as err:
+            preflight(build_config({}, [f"storage.object_store_uri={uri}"]))
+        return str(err.value)
+
+    found = store_problems("s3://miles/runs")
+    assert "storage.object_store_uri: s3://miles: no usable S3 credentials" in found and "does not exist" not in found
+    assert "AWS_ACCESS_KEY_ID" in found
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    assert "bucket other does not exist" in store_problems("s3://other/runs")
+    preflight(build_config({}, ["storage.object_store_uri=s3://miles/runs"]))
+    monkeypatch.setattr(s3_bucket, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # moto checks keys: ours are unknown
+    assert "the S3 credentials were refused for bucket miles" in store_problems("s3://miles/runs")
+
+
 def test_every_problem_is_reported_at_once(tmp_path):
     cfg = build_config({}, [f"data.train_path={tmp_path / 'missing.jsonl'}", f"model.source={tmp_path}",
                             "rollout.reward=no_such_reward", "eval.datasets=[{name: aime, path: /nope.jsonl}]"])
