@@ -37,6 +37,17 @@ class EmbeddedEngine(Section):
     KV cache takes 40% of the memory free when it is allocated."""
     max_running_requests: int | None = Field(None, ge=1)
     """Sequences decoded at once, as SGLang's --max-running-requests. None: 1024."""
+    # The server's client bounds (miles_core.rollout.http_limits.ServerLimits, whose defaults
+    # these repeat: that module imports the web stack, which a config must not need).
+    max_request_bytes: int = Field(64 << 20, gt=0)
+    """Largest request body the engine's server reads, in bytes; a larger one is answered 413.
+    Raise it for prompts that are long token-id lists in large batches."""
+    max_prompts_per_request: int = Field(16384, gt=0)
+    """Most prompts one /generate may carry (a larger batch is refused, 400). Rollouts send up
+    to rollout.num_prompts_per_step x num_samples_per_prompt per engine."""
+    request_read_timeout_seconds: float = Field(30.0, gt=0)
+    """Seconds a client has to send a whole request, head and body, counted from connecting or
+    from the previous response; a slower one is disconnected."""
 
 
 class SGLangEngine(Section):

@@ -13,7 +13,7 @@ import secrets
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -22,6 +22,9 @@ from miles_core.config.rollout import EngineConfig
 from miles_core.rollout.interface import RolloutEngine
 from miles_core.rollout.router import Router
 from miles_core.rollout.sglang_client import SGLangClient, SGLangLauncher
+
+if TYPE_CHECKING:
+    from miles_core.rollout.http_limits import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +56,23 @@ def launch_engine(engine: EngineConfig, model_dir: str, host: str, dtype: str, n
     from miles_core.rollout.http_server import serve  # torch and transformers: engine processes only
 
     return serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads,
-                 server_args=embedded_server_args(engine), weight_version=INITIAL_WEIGHT_VERSION, api_key=api_key)
+                 server_args=embedded_server_args(engine), weight_version=INITIAL_WEIGHT_VERSION, api_key=api_key,
+                 limits=embedded_server_limits(engine))
 
 
 def embedded_server_args(engine: EngineConfig) -> dict:
     """The SGLang flags an embedded engine's config sets (its memory bounds), for its server."""
     flags = {"mem_fraction_static": engine.mem_fraction_static, "max_running_requests": engine.max_running_requests}
     return {k: v for k, v in flags.items() if v is not None}
+
+
+def embedded_server_limits(engine: EngineConfig) -> ServerLimits:
+    """The client bounds an embedded engine's config sets, as its server's ServerLimits."""
+    from miles_core.rollout.http_limits import ServerLimits  # the web stack: engine processes only
+
+    return ServerLimits(max_request_bytes=engine.max_request_bytes,
+                        max_prompts_per_request=engine.max_prompts_per_request,
+                        request_read_timeout=engine.request_read_timeout_seconds)
 
 
 class EngineActor:

@@ -196,6 +196,35 @@ def test_an_oversize_body_is_413_before_it_is_read(tiny_model_dir):
         handle.stop()
 
 
+def test_the_recipes_server_limits_reach_the_engines_server(tiny_model_dir):
+    """rollout.engine's max_request_bytes, max_prompts_per_request and request_read_timeout_seconds
+    become the launched server's ServerLimits; unset, they are ServerLimits' defaults."""
+    from miles_core.config.rollout import RolloutConfig
+    from miles_core.rollout.engine_group import embedded_server_limits, launch_engine
+
+    default = RolloutConfig.model_validate({"engine": "embedded"}).engine
+    assert embedded_server_limits(default) == ServerLimits()
+    engine = RolloutConfig.model_validate({"engine": {"kind": "embedded", "max_request_bytes": 2048,
+                                                      "max_prompts_per_request": 3,
+                                                      "request_read_timeout_seconds": 7.5}}).engine
+    assert embedded_server_limits(engine) == ServerLimits(2048, 3, 7.5)
+    handle = launch_engine(engine, str(tiny_model_dir), "127.0.0.1", "float32", 1, 0, api_key="k")
+    try:
+        auth = {"Authorization": "Bearer k"}
+        big = requests.post(handle.url + "/generate", json={"input_ids": [5] * 1000}, headers=auth, timeout=30)
+        assert big.status_code == 413 and "max_request_bytes" in big.text
+        many = requests.post(handle.url + "/generate", json={"input_ids": [[5]] * 4}, headers=auth, timeout=30)
+        assert many.status_code == 400
+        small = requests.post(handle.url + "/generate", headers=auth, timeout=30,
+                              json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+        assert small.status_code == 200, small.text
+    finally:
+        handle.stop()
+    for field in ("max_request_bytes", "max_prompts_per_request", "request_read_timeout_seconds"):
+        with pytest.raises(ValueError, match=f"{field}[\\s\\S]*greater than 0"):
+            RolloutConfig.model_validate({"engine": {"kind": "embedded", field: 0}})
+
+
 # ---- too many prompts ---------------------------------------------------------------------------
 
 def test_a_batch_over_the_prompt_limit_is_400_at_once(server, tiny_model_dir):
