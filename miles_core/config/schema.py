@@ -498,6 +498,13 @@ class RunConfig(Section):
         if r.engine.kind == "sglang" and r.engine.is_sglang and r.gpus_per_engine < 1 and transport != "cuda_ipc":
             raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1 (a fraction of one "
                              "only beside the trainer on its GPU, with rollout.weight_transport=cuda_ipc)")
+        t = self.training
+        if transport == "broadcast" and t.gpus_per_trainer > 0 and r.gpus_per_engine > 0 and (
+                t.gpus_per_trainer / t.world_size < 1 or r.gpus_per_engine < 1):
+            raise ValueError("rollout.weight_transport=broadcast needs the trainer's ranks and the engines on GPUs of "
+                             "their own: NCCL refuses two ranks of one group on one GPU ('Duplicate GPU detected'), "
+                             "and a fraction of a GPU may share it. Use rollout.weight_transport=auto (shared_memory or "
+                             "cuda_ipc on one GPU) or whole GPUs (training.gpus_per_trainer, rollout.gpus_per_engine)")
         if r.engine.kind == "sglang" and transport == "broadcast":
             for arg in ("dp_size", "pp_size"):  # a broadcast group gives each engine tp_size ranks
                 if int(r.engine.server_args.get(arg) or 1) > 1:

@@ -59,17 +59,19 @@ def download(specs: str, dest: Path) -> None:
 
 
 def slim(src: Path, dest: Path, patterns: tuple[str, ...]) -> None:
-    """The wheel without the members matching `patterns`, its RECORD rebuilt (pip checks it)."""
+    """The wheel without the members matching `patterns`, its RECORD rebuilt (pip checks it).
+    Members keep their zip headers: Ray's executables (gcs_server, raylet) need their mode bits."""
     regexes = [re.compile(p) for p in patterns]
     with zipfile.ZipFile(src) as z:
-        members = {n: z.read(n) for n in z.namelist() if not any(r.search(n) for r in regexes)}
+        members = {i.filename: (i, z.read(i)) for i in z.infolist() if not any(r.search(i.filename) for r in regexes)}
     record = next(n for n in members if n.endswith(".dist-info/RECORD"))
     lines = [f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}"
-             for name, data in sorted(members.items()) if name != record]
-    members[record] = ("\n".join([*lines, f"{record},,"]) + "\n").encode()
+             for name, (_, data) in sorted(members.items()) if name != record]
+    members[record] = (members[record][0], ("\n".join([*lines, f"{record},,"]) + "\n").encode())
     with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as z:
         for name in sorted(members, key=lambda n: (".dist-info/" in n, n)):
-            z.writestr(name, members[name])
+            info, data = members[name]
+            z.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=6)
 
 
 def build_set(specs: str, out: Path) -> None:

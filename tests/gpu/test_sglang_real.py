@@ -40,6 +40,7 @@ SERVER_ARGS = {"attention_backend": "triton", "sampling_backend": "pytorch", "gr
                "skip_server_warmup": True, "random_seed": 0}
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4,
          "head_dim": 64, "intermediate_size": 1536}
+CONTEXT_TOKENS = 4096  # SGLang refuses (400) a request whose prompt + max_new_tokens exceed it
 # bf16 serving against an fp32 teacher-forced forward: measured 0.003 mean on the 0.6B shape.
 MEAN_LOGPROB_BOUND = 0.02
 
@@ -51,10 +52,10 @@ def say(message: str) -> None:
 def build_model(out: Path, seed: int) -> Path:
     from transformers import Qwen3Config
 
-    from miles_core.tiny import MAX_POSITIONS, build_tokenizer, save_random_model
+    from miles_core.tiny import build_tokenizer, save_random_model
 
     tokenizer = build_tokenizer()
-    config = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
+    config = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=CONTEXT_TOKENS, tie_word_embeddings=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
                          torch_dtype="float32", **SHAPE)
     return save_random_model(config, tokenizer, out, seed)
@@ -231,10 +232,13 @@ def test_abort_all_returns_running_requests_at_once(engine):
     assert {r["meta_info"]["finish_reason"]["type"] for r in results[0]} == {"abort"}
 
 
-def test_broadcast_update_on_one_gpu(engine, models):
+def test_broadcast_cannot_share_one_gpu(engine, models):
     """Trainer (rank 0, this process) and engine (rank 1) on the same GPU, as the broadcast
-    transport connects them. NCCL may refuse two ranks on one device: then that is reported
-    and the transport keeps its CPU test (gloo); across GPUs it is the cluster default."""
+    transport connects them: SGLang joins the group, then NCCL refuses the first broadcast
+    ("Duplicate GPU detected", measured with NCCL 2.28.9 on an H100). This is why validation
+    refuses broadcast where a trainer or an engine holds a fraction of a GPU, and `auto` picks
+    cuda_ipc there; across GPUs broadcast is the default (its CPU test runs over gloo). If this
+    test fails because the broadcast went through, NCCL has lifted the limit: lift the rule."""
     from concurrent.futures import ThreadPoolExecutor
     from datetime import timedelta
 
@@ -245,24 +249,14 @@ def test_broadcast_update_on_one_gpu(engine, models):
     address, port = "127.0.0.1", free_port("127.0.0.1")
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(client.init_weights_update_group, address, port, 1, 2, "miles-weights-gpu", "nccl")
-        try:
-            group = init_custom_process_group("nccl", f"tcp://{address}:{port}", 2, 0, "miles-weights-gpu",
-                                              timeout=timedelta(seconds=90))
-            answer = joined.result(timeout=120)
-        except Exception as exc:  # noqa: BLE001 - the finding is NCCL's own refusal, reported
-            say(f"broadcast on one GPU refused: {type(exc).__name__}: {str(exc)[:300]}")
-            pytest.skip(f"NCCL refused two ranks on one GPU: {exc}")
-    say(f"weight-update group joined: {answer}")
+        group = init_custom_process_group("nccl", f"tcp://{address}:{port}", 2, 0, "miles-weights-gpu",
+                                          timeout=timedelta(seconds=90))
+        assert joined.result(timeout=120)["success"]
     model = hf_model(models["v2"])
-    started = time.perf_counter()
-    sent = broadcast_to_engines({n: t.detach() for n, t in model.state_dict().items()}, group,
-                                [engine["launcher"].url], "miles-weights-gpu", "5", 8 << 20, engine["api_key"],
-                                dtype=torch.bfloat16)
-    say(f"broadcast: {sent / 2**20:.1f} MiB in {1000 * (time.perf_counter() - started):.1f} ms")
-    client.destroy_weights_update_group("miles-weights-gpu")
-    torch.distributed.destroy_process_group(group)
-    assert client.weight_version() == "5"
-    assert mean_abs_diff(model, PROMPTS[:8], sample(client, list(range(8)))) < MEAN_LOGPROB_BOUND
+    with pytest.raises(torch.distributed.DistBackendError, match="Duplicate GPU detected"):
+        broadcast_to_engines({n: t.detach() for n, t in model.state_dict().items()}, group, [engine["launcher"].url],
+                             "miles-weights-gpu", "5", 8 << 20, engine["api_key"], dtype=torch.bfloat16)
+    say("broadcast on one GPU: NCCL refuses two ranks on one device")
 
 
 def test_release_and_resume_memory_around_an_update(engine, models):
@@ -293,16 +287,17 @@ def test_sigkilled_server_frees_the_gpu_and_restarts(engine, models):
 
     launcher = engine["launcher"]
     pgid = launcher.process.pid
-    os.kill(pgid, signal.SIGKILL)  # the server's leader only: its scheduler must not outlive it
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and _group_alive(pgid):
-        time.sleep(0.5)
-    orphaned = _group_alive(pgid)
-    launcher.stop()  # what EngineGroup.heal does next
-    torch.cuda.synchronize()
-    free = torch.cuda.mem_get_info()[0] / 2**30
-    say(f"after SIGKILL: processes left in the server's group: {orphaned}; GPU free {free:.1f} GiB")
-    assert not orphaned, "SGLang's children outlived a SIGKILLed server (they would hold its GPU memory)"
+    serving_free = torch.cuda.mem_get_info()[0]
+    os.kill(pgid, signal.SIGKILL)  # the server's leader only, as the OOM killer would
+    time.sleep(10)
+    # Measured on SGLang 0.5.17: its scheduler and detokenizer outlive the leader (they still hold
+    # the GPU after 60 s), so the engine's recovery must end the whole process group.
+    say(f"10 s after SIGKILL, the server's children still run: {_group_alive(pgid)}")
+    launcher.stop()  # what EngineGroup.heal does first
+    assert not _group_alive(pgid), "a process of the killed server outlived stop()"
+    freed = (torch.cuda.mem_get_info()[0] - serving_free) / 2**30
+    say(f"stop() after SIGKILL freed {freed:.1f} GiB")
+    assert freed > 10  # the KV cache alone is 30% of the GPU
     started = time.perf_counter()
     engine["launcher"] = launch_engine(SGLangEngine(server_args=SERVER_ARGS, python=SGLANG_PYTHON), str(models["v0"]),
                                        "127.0.0.1", "bfloat16", 4, 1.0, engine["api_key"])

@@ -134,6 +134,16 @@ def test_auto_transport_is_the_fastest_the_placement_allows(overrides, chosen, s
             build_config({}, [*overrides, f"rollout.weight_transport={slower}"]))
 
 
+def test_broadcast_is_refused_where_ranks_may_share_a_gpu():
+    """NCCL refuses two ranks of a group on one GPU (measured against SGLang 0.5.17 on an H100)."""
+    shared_gpu = ["training.gpus_per_trainer=0.5", "rollout.gpus_per_engine=0.4", "placement.layout=colocated"]
+    for engine in ("embedded", "sglang"):
+        with pytest.raises(ConfigError, match="Duplicate GPU detected|sglang engine needs a GPU"):
+            build_config({}, [*shared_gpu, f"rollout.engine={engine}", "rollout.weight_transport=broadcast"])
+    whole = build_config({}, ["training.gpus_per_trainer=1", "rollout.gpus_per_engine=1", "rollout.weight_transport=broadcast"])
+    assert whole.rollout.weight_transport.kind == "broadcast"
+
+
 def test_sglang_python_must_be_absolute():
     cfg = build_config({}, ["rollout.engine={kind: sglang, python: /opt/sglang/bin/python}", "rollout.gpus_per_engine=1"])
     assert cfg.rollout.engine.python == "/opt/sglang/bin/python"
