@@ -3,7 +3,7 @@ the GPU through fractional GPU bundles, exactly as `miles run` places them (Trai
 loop, the weight transport), on a random Qwen3 of the 0.6B shape or the tiny model.
 
     python bench/driver_gpu.py --model qwen3-0.6b-shape --steps 4
-    python bench/driver_gpu.py --engine sglang --sglang-python /tmp/sgl-python --transport cuda_ipc
+    python bench/driver_gpu.py --engine sglang --sglang-python /tmp/sgl-python    # auto: cuda_ipc
 
 Prints one JSON line: the step-time breakdown (rollout, train, weight sync) per step and the
 median over the steps after the first (the first compiles and warms caches).
@@ -55,8 +55,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=64)
-    parser.add_argument("--transport", default="object_store",
-                        choices=["object_store", "shared_memory", "broadcast", "disk", "cuda_ipc"])
+    parser.add_argument("--transport", default="auto", help="rollout.weight_transport (auto: what miles run picks)",
+                        choices=["auto", "object_store", "shared_memory", "broadcast", "disk", "cuda_ipc"])
     parser.add_argument("--engine", default="embedded", choices=["embedded", "sglang"])
     parser.add_argument("--sglang-python", default=None, help="rollout.engine.python for --engine sglang")
     parser.add_argument("--work-dir", default=None)
@@ -99,7 +99,7 @@ def main() -> None:
     floor = copy_floor_seconds(model_dir, cfg.model.dtype)
     sync = median(r["weights/sync_seconds"] for r in warm)
     print(json.dumps(rounded({
-        "bench": "driver_gpu", "model": args.model, "transport": args.transport, "engine": args.engine,
+        "bench": "driver_gpu", "model": args.model, "transport": cfg.rollout.weight_transport.kind, "engine": args.engine,
         **gpu_identity(),
         "prompts": args.prompts, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
         "open_seconds": open_seconds, "steps": steps, "copy_floor_seconds": floor, "sync_over_copy_floor": sync / floor,
