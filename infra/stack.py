@@ -5,11 +5,12 @@ Everything lives under one state directory (default `.miles/stack`): `stack.json
 service's pid, ports, command line and log; `env` is a file to `source` (it holds the per-stack
 fake S3 credentials, so it is written 0600 and never printed unmasked).
 
-Every server binds 127.0.0.1. Ray does in its single-host mode (RAY_LOOPBACK_ONLY: `ray start`
-replaces a loopback --node-ip-address with the machine's address, and its servers would listen on
-all interfaces); no other host can join this head. Ray also runs with token authentication
-(RAY_AUTH_MODE=token): the token is drawn per stack and kept in `env`, and a client without it
-is refused.
+Every server binds 127.0.0.1, except Ray: `ray start` replaces a loopback --node-ip-address with
+the machine's address, and its GCS/raylet listen on all interfaces. Ray's single-host mode
+(RAY_LOOPBACK_ONLY) would keep the head on loopback, but then the flow runs the worker starts,
+which join the head as Ray clients, are sent to the machine's address and never connect. So Ray
+runs with token authentication (RAY_AUTH_MODE=token): the token is drawn per stack and kept in
+`env`, and a client without it is refused.
 
 Each service is started with start_new_session=True, so its pid is also its session id; `down`
 signals every process of that session (Ray's workers change their process group but not their
@@ -48,8 +49,9 @@ LOOPBACK = "127.0.0.1"
 # Ray's single-host mode (its macOS/Windows default): the node address is 127.0.0.1, so the GCS,
 # raylets, workers, agents and the metrics servers (metrics export port, dashboard and autoscaler
 # metrics, which answer without the token) bind loopback instead of every interface. No other
-# host can join such a cluster: only for a local Ray, never when joining one (the driver would
-# announce 127.0.0.1 to it). Read by Ray at import, and by each of its processes.
+# process can join such a cluster as a client from outside it: only for the Ray a `miles run`
+# starts in its own process (flows/cli.py), never for the stack's head or a cluster's. Read by
+# Ray at import, and by each of its processes.
 RAY_LOOPBACK_ONLY = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 POOL = "local-process"
 WORKER_NAME = "miles-stack-worker"
@@ -269,8 +271,7 @@ def _service_env(name: str, sd: Path, user_env: dict[str, str]) -> dict[str, str
     if name == "mlflow":
         return {**user_env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     if name == "ray":  # a RAY_ADDRESS in the environment would make `ray start --head` fail
-        key, value = RAY_LOOPBACK_ONLY
-        return {**{k: v for k, v in user_env.items() if k != "RAY_ADDRESS"}, key: value}
+        return {k: v for k, v in user_env.items() if k != "RAY_ADDRESS"}
     if name == "worker":  # flow runs inherit the worker's environment: give them the whole stack
         return {**user_env, **prefect, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS)}
     return user_env
