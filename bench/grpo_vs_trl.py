@@ -106,18 +106,6 @@ def ours_config(args: argparse.Namespace, num_steps: int):
 
 
 # ---- ours, in-process ------------------------------------------------------------------------
-class _LocalEngines:
-    """The slice of EngineGroup that RolloutManager uses, over one in-process engine."""
-
-    num_healthy = 1
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def generate(self, input_ids, sampling_params):
-        return self.engine.generate(input_ids, sampling_params, return_logprob=True)  # a seed per sample
-
-
 class OursInProcess:
     """One sync RL step as run_loop does it, without actors: rollout -> train -> weight sync."""
 
@@ -125,6 +113,7 @@ class OursInProcess:
         from transformers import AutoTokenizer
 
         from miles_core.data import PromptSource, read_prompts
+        from miles_core.evaluation import EngineAsGroup
         from miles_core.rollout.engine import EmbeddedEngine
         from miles_core.rollout.engine_group import embedded_server_args
         from miles_core.rollout.engine_service import memory_args
@@ -139,7 +128,7 @@ class OursInProcess:
                                        cfg.seed, r.num_samples_per_prompt)
         self.engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads, device,
                                      **memory_args(embedded_server_args(r.engine)))
-        self.manager = RolloutManager(_LocalEngines(self.engine), r, r.reward)
+        self.manager = RolloutManager(EngineAsGroup(self.engine), r, r.reward)
         self.step, self.times = 0, []
 
     def run_step(self) -> dict:

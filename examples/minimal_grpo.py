@@ -30,26 +30,13 @@ from transformers.utils import logging as hf_logging
 from miles_core import algorithms as algo
 from miles_core.config import AlgorithmConfig, RunConfig, load_config
 from miles_core.data import PromptSource, read_prompts, sft_samples, write_arithmetic_task
-from miles_core.evaluation import HELDOUT, evaluate_all, evaluate_greedy
+from miles_core.evaluation import HELDOUT, EngineAsGroup, evaluate_all, evaluate_greedy
 from miles_core.rollout.engine import EmbeddedEngine
 from miles_core.rollout.manager import RolloutManager
 from miles_core.tiny import build_tiny_model
 from miles_core.training.fsdp import FSDPTrainer
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
-
-
-class OneEngine:
-    """The slice of an EngineGroup (many engines behind a router) that RolloutManager calls."""
-
-    num_healthy = 1
-
-    def __init__(self, engine: EmbeddedEngine):
-        self.engine = engine
-
-    def generate(self, input_ids, sampling_params):
-        # One sampling_seed per sample in sampling_params: a rerun draws the same samples.
-        return self.engine.generate(input_ids, sampling_params, return_logprob=True)
 
 
 def push_weights(trainer: FSDPTrainer, engine: EmbeddedEngine, version: str) -> None:
@@ -111,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                           r.num_samples_per_prompt)
     before = heldout_pass_at_1(cfg, engine, eval_path)
 
-    manager = RolloutManager(OneEngine(engine), r, r.reward)  # seeded sampling, then the reward
+    manager = RolloutManager(EngineAsGroup(engine), r, r.reward)  # seeded sampling, then the reward
     source = PromptSource(prompts, cfg.seed)  # shuffled, endless
     for step in range(1, args.steps + 1):
         # n samples per prompt, grouped; per-step seeds as miles_core.loop draws them (reproducible).

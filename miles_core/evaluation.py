@@ -54,8 +54,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
-class _EngineAsGroup:
-    """An evaluation engine as what a generate function's ctx calls (miles_core.rollout.context)."""
+class EngineAsGroup:
+    """One in-process engine as the slice of an EngineGroup that RolloutManager and a generate
+    function's ctx (miles_core.rollout.context) call: no router, no actors."""
 
     num_healthy = 1
 
@@ -72,7 +73,7 @@ def _generate_episodes(generate_fn: Callable, engine, prompts: list[Prompt], par
     seeds = [[(seed or 0) + i * num_samples + j for j in range(num_samples)] for i in range(len(prompts))]
     per_prompt = [[params | {"sampling_seed": s} for s in row] for row in seeds]
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="eval") as pool:
-        groups = run_generate_fn(generate_fn, _EngineAsGroup(engine), prompts, per_prompt, engine.tokenizer, pool)
+        groups = run_generate_fn(generate_fn, EngineAsGroup(engine), prompts, per_prompt, engine.tokenizer, pool)
     return [[sample.response_text for sample in group] for group in groups]
 
 
