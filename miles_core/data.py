@@ -28,12 +28,7 @@ def write_arithmetic_task(task: ArithmeticTaskConfig, out_dir: str | Path) -> tu
     rng = random.Random(task.seed)
     pairs = [(a, b) for a in range(task.max_operand + 1) for b in range(task.max_operand + 1)]
     rng.shuffle(pairs)
-    needed = task.num_train + task.num_eval
-    if needed > len(pairs):
-        raise ValueError(
-            f"data.builtin asks for {needed} distinct problems but operands up to "
-            f"{task.max_operand} give only {len(pairs)}; lower num_train/num_eval"
-        )
+    needed = task.num_train + task.num_eval  # <= len(pairs): ArithmeticTaskConfig validates it
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     splits = {"train": pairs[: task.num_train], "eval": pairs[task.num_train : needed]}
