@@ -6,8 +6,10 @@
 Both sample at temperature 1 with log-probs on, at most --batch sequences running, and a KV cache
 of --mem-fraction-static; each is timed twice: with EOS on (stop ids chosen so that a random model
 stops after about --mean-length tokens, lengths vary) and off (every sequence runs --new-tokens).
-SGLang runs as `miles run` starts it (SGLangLauncher, HTTP, the recipe's server args; the carried
-kernel wheel has no FA3, so triton attention). Tokens per second count generated tokens,
+SGLang runs as `miles run` starts it (SGLangLauncher, HTTP, the recipe's server args), not in its
+fastest configuration: the carried kernel wheel has no FA3, so triton attention. The embedded engine
+is called in-process, without the HTTP server `miles run` puts in front of it (one batch per
+workload, so the HTTP cost left out is one request). Tokens per second count generated tokens,
 including the stop. SGLang is timed first, then stopped, then the embedded engine runs in this
 process. Prints one JSON line.
 """
