@@ -2,7 +2,8 @@
 """Wheels for the lent GPU machine (Python 3.12, torch 2.11, no network), in sets of under 64 MiB:
 what a device call can carry. Run here (a machine that reaches PyPI):
 
-    python3 tests/gpu/carry.py .whl/gpu          # -> .whl/gpu/{sglang-a,sglang-b,tools,ray}
+    python3 tests/gpu/carry.py .whl/gpu          # -> .whl/gpu/{sglang-a,sglang-b,tools,ray,trl}
+    python3 tests/gpu/carry.py .whl/gpu trl      # only the named sets
 
 On the GPU machine, after each set arrives: `sh tests/gpu/install.sh .whl/gpu/<set>`.
 
@@ -11,10 +12,16 @@ On the GPU machine, after each set arrives: `sh tests/gpu/install.sh .whl/gpu/<s
   the Hopper (sm90) ops: FA3 (342 MB) is dropped, so the server runs with the triton attention
   backend. SGLang's own pins (transformers 5.12.1 among them) go to a folder of their own, which
   only the SGLang server's interpreter sees (`rollout.engine.python`).
-- tools: what the project's processes and tests need that the image lacks (pydantic, pytest);
+- tools: what the project's processes and tests need that the image lacks (pydantic, pytest,
+  Ray's jsonschema);
   small enough to travel with sglang-b.
 - ray: Ray 2.60.0 without its Java jar (30 MB; nothing here starts Java workers), for the
   driver (bench/driver_gpu.py); tests/gpu stub Ray where it is absent.
+- trl: TRL 1.16.0 and what it and `datasets` import beyond the image's torch, numpy,
+  transformers and huggingface_hub, at the CPU venv's versions (accelerate, datasets, pyarrow,
+  pandas and python-dateutil, dill, multiprocess, xxhash), for bench/grpo_vs_trl.py and
+  bench/time_to_accuracy.py. pyarrow's wheel (50 MB) leaves out Arrow Flight (RPC, 10 MB), its C++
+  headers and tests: datasets never loads them.
 """
 
 from __future__ import annotations
@@ -43,12 +50,18 @@ SGLANG_B = (
     "sniffio==1.3.1 stack-data==0.6.3 starlette==1.10.0 traitlets==5.16.1 typing-extensions==4.16.0 "
     "typing-inspection==0.4.5 uvicorn==0.55.0 wcwidth==0.9.5 torch-memory-saver==0.0.10")
 TOOLS = ("pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 pytest==9.2.0 "
-         "pluggy==1.6.0 iniconfig==2.3.0")
+         "pluggy==1.6.0 iniconfig==2.3.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 "
+         "rpds-py==2026.9.1")  # jsonschema & co: Ray's runtime needs them, the image lacks them
 RAY = "ray==2.60.0 msgpack==1.2.4"
+TRL = ("trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 pyarrow==25.0.1 pandas==3.1.1 python-dateutil==2.9.0.post0 "
+       "six==1.17.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0")
+SETS = {"sglang-a": SGLANG_A, "sglang-b": SGLANG_B, "tools": TOOLS, "ray": RAY, "trl": TRL}
 # wheel name prefix -> member patterns left out
 SLIM = {"sglang_kernel-": ("flash_ops", "/sm100/", "infllm_ops", "flashmla_ops"),
         "xgrammar-": (r"lib/libxgrammar\.a$", "/include/"),
-        "ray-": ("^ray/jars/",)}
+        "ray-": ("^ray/jars/",),
+        "pyarrow-": (r"^pyarrow/(libarrow_flight|libarrow_python_flight|_flight\.)", "^pyarrow/include/",
+                     "^pyarrow/tests/", "^pyarrow/_pyarrow_cpp_tests")}
 
 
 def download(specs: str, dest: Path) -> None:
@@ -94,8 +107,12 @@ def build_set(specs: str, out: Path) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ".whl/gpu")
-    for name, specs in (("sglang-a", SGLANG_A), ("sglang-b", SGLANG_B), ("tools", TOOLS), ("ray", RAY)):
-        build_set(specs, out / name)
+    names = sys.argv[2:] or list(SETS)
+    unknown = sorted(set(names) - set(SETS))
+    if unknown:
+        raise SystemExit(f"unknown sets {unknown}; known: {list(SETS)}")
+    for name in names:
+        build_set(SETS[name], out / name)
 
 
 if __name__ == "__main__":
