@@ -1,4 +1,4 @@
-"""Prompt datasets (DAPO-style jsonl), the built-in addition task, and a resumable source."""
+"""Prompt datasets (DAPO-style jsonl), the built-in arithmetic tasks, and a resumable source."""
 
 from __future__ import annotations
 
@@ -23,22 +23,53 @@ class Prompt:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def column_addition_solution(a: int, b: int) -> str:
+    """The worked scratchpad of a+b: one line per column from the right, `i: x+y+carry=s`,
+    then DAPO's answer line. Every step is a one-digit sum, so a small model can learn it,
+    and any wrong step shows in the answer."""
+    width = max(len(str(a)), len(str(b)))
+    xs, ys = str(a).zfill(width)[::-1], str(b).zfill(width)[::-1]
+    lines, carry = [], 0
+    for i, (x, y) in enumerate(zip(xs, ys), start=1):
+        total = int(x) + int(y) + carry
+        lines.append(f"{i}: {x}+{y}+{carry}={total}")
+        carry = total // 10
+    return "\n".join([*lines, f"Answer: {a + b}"])
+
+
+def _arithmetic_pairs(task: ArithmeticTaskConfig, rng: random.Random) -> list[tuple[int, int]]:
+    needed = task.num_train + task.num_eval  # <= distinct_problems(): ArithmeticTaskConfig validates it
+    if task.kind == "addition":
+        pairs = [(a, b) for a in range(task.max_operand + 1) for b in range(task.max_operand + 1)]
+        rng.shuffle(pairs)
+        return pairs[:needed]
+    low, high = 10 ** (task.digits - 1), 10 ** task.digits - 1
+    drawn: dict[tuple[int, int], None] = {}  # insertion-ordered: the draw order is the split
+    while len(drawn) < needed:
+        drawn[(rng.randint(low, high), rng.randint(low, high))] = None
+    return list(drawn)
+
+
+def _arithmetic_row(task: ArithmeticTaskConfig, a: int, b: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "label": str(a + b)}
+    if task.kind == "column_addition":
+        row["solution"] = column_addition_solution(a, b)
+    return row
+
+
 def write_arithmetic_task(task: ArithmeticTaskConfig, out_dir: str | Path) -> tuple[Path, Path]:
-    """Write train/eval jsonl files of `a+b=` problems, in the dapo-math-17k row layout."""
-    rng = random.Random(task.seed)
-    pairs = [(a, b) for a in range(task.max_operand + 1) for b in range(task.max_operand + 1)]
-    rng.shuffle(pairs)
-    needed = task.num_train + task.num_eval  # <= len(pairs): ArithmeticTaskConfig validates it
+    """Write train/eval jsonl files of the built-in task (task.kind), in the dapo-math-17k row
+    layout: chat-message prompt, label, and for column_addition a worked `solution`."""
+    pairs = _arithmetic_pairs(task, random.Random(task.seed))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    splits = {"train": pairs[: task.num_train], "eval": pairs[task.num_train : needed]}
+    splits = {"train": pairs[: task.num_train], "eval": pairs[task.num_train:]}
     paths = []
     for split, rows in splits.items():
         path = out_dir / f"{split}.jsonl"
         with path.open("w") as fh:
             for a, b in rows:
-                row = {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "label": str(a + b)}
-                fh.write(json.dumps(row) + "\n")
+                fh.write(json.dumps(_arithmetic_row(task, a, b)) + "\n")
         paths.append(path)
     return paths[0], paths[1]
 
@@ -198,8 +229,9 @@ def _conversation_sample(prompt: Prompt, tokenizer) -> Sample:
     return Sample(prompt.index, ids[:first], ids[first:], prompt.label, loss_mask=trainable[first:])
 
 
-def sft_samples(prompts: list[Prompt], tokenizer) -> list[Sample]:
-    """Supervised samples: prompt + label + eos (loss on label and eos), or, for conversation
+def sft_samples(prompts: list[Prompt], tokenizer, solution_key: str = "solution") -> list[Sample]:
+    """Supervised samples: prompt + target + eos (loss on target and eos), the target being the
+    row's worked solution (`solution_key`) where it has one, else its label; for conversation
     rows whose messages include assistant turns, the assistant tokens of the conversation."""
     eos = tokenizer.eos_token_id
     samples = []
@@ -207,6 +239,7 @@ def sft_samples(prompts: list[Prompt], tokenizer) -> list[Sample]:
         if isinstance(p.messages, list) and any(m.get("role") == "assistant" for m in p.messages):
             samples.append(_conversation_sample(p, tokenizer))
         else:
-            label_ids = tokenizer(p.label, add_special_tokens=False)["input_ids"]
-            samples.append(Sample(p.index, p.input_ids, label_ids + [eos], p.label))
+            target = str(p.metadata.get(solution_key, p.label))
+            target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+            samples.append(Sample(p.index, p.input_ids, target_ids + [eos], p.label))
     return samples

@@ -115,7 +115,8 @@ def make_producer(run: TrainingRun, manager: RolloutManager):
 
     def produce(step: int, version: int) -> RolloutBatch:
         if cfg.algorithm.name == "sft":
-            samples = sft_samples(source.next_batch(cfg.rollout.num_prompts_per_step), run.tokenizer)
+            samples = sft_samples(source.next_batch(cfg.rollout.num_prompts_per_step), run.tokenizer,
+                                  cfg.data.solution_key)
             return RolloutBatch(samples, {}, version, source.state_dict())
         cursor = source.state_dict()
         try:

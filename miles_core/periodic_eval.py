@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from miles_core.weights import make_transport
 
 log = logging.getLogger(__name__)
 PHASE = "periodic"
+EVAL_SECONDS = "time/periodic_eval_seconds"
+"""Seconds a periodic evaluation took, logged beside its pass@k."""
 
 
 class PeriodicEvaluator:
@@ -88,6 +91,7 @@ class PeriodicEvaluator:
             self.dedicated.shutdown()
 
     def _evaluate(self, engines: EngineGroup, step: int) -> dict[str, float]:
+        started = time.perf_counter()
         client = EngineGroupEval(engines, self.tokenizer)
         try:
             results = evaluation.evaluate_all(self.cfg, None, self.eval_path, engine=client)
@@ -96,7 +100,8 @@ class PeriodicEvaluator:
         metrics = eval_metrics(PHASE, results)
         log.info("periodic eval at step %d: %s", step,
                  ", ".join(f"{k.split('/', 2)[2]} {v:.3f}" for k, v in metrics.items()))
-        return metrics
+        # on the rollout engines it holds training: time-to-accuracy figures subtract it
+        return {**metrics, EVAL_SECONDS: time.perf_counter() - started}
 
     def _external(self, step: int) -> dict[str, float]:
         with tempfile.TemporaryDirectory(prefix=f"miles-eval-step{step}-", dir=self.run_dir) as tmp:

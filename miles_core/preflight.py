@@ -38,7 +38,7 @@ def _model_problems(cfg: RunConfig) -> Iterator[str]:
     source = cfg.model.source
     local = local_source_dir(source)
     if source.startswith("builtin:"):
-        from miles_core.tiny import MAX_POSITIONS as positions
+        positions = cfg.model.tiny.max_positions
     elif source.startswith("hf://"):
         yield from _hub_problems(source)
         return

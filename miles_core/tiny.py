@@ -26,8 +26,6 @@ CHAT_TEMPLATE = (
 )
 
 
-MAX_POSITIONS = 256  # of the built-in models: far beyond the addition task's prompts and answers
-
 def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
@@ -56,7 +54,7 @@ def build_tiny_model(shape: TinyModelConfig, out_dir: str | Path) -> Path:
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
         head_dim=shape.hidden_size // shape.num_attention_heads,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=shape.max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -76,7 +74,7 @@ def build_tiny_moe_model(shape: TinyModelConfig, out_dir: str | Path, num_expert
         moe_intermediate_size=max(shape.intermediate_size // num_experts, 8), num_experts=num_experts,
         num_experts_per_tok=experts_per_token, norm_topk_prob=True, num_hidden_layers=shape.num_layers,
         num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.hidden_size // shape.num_attention_heads, max_position_embeddings=MAX_POSITIONS,
+        head_dim=shape.hidden_size // shape.num_attention_heads, max_position_embeddings=shape.max_positions,
         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None, torch_dtype="float32")
     return save_random_model(config, tokenizer, out_dir, shape.seed)

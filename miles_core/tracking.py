@@ -1,4 +1,7 @@
-"""MLflow tracking: one MLflow run per run key, exactly-once metric steps, model registry."""
+"""MLflow tracking: one MLflow run per run key, exactly-once metric steps, model registry.
+
+MLflow is imported where it is used: the training driver imports this module and runs without
+MLflow when its spec names no MLflow run (a GPU host with only the trainer's stack)."""
 
 from __future__ import annotations
 
@@ -7,16 +10,15 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
-
-import mlflow
-from mlflow.entities import Metric, Param
-from mlflow.tracking import MlflowClient
-from mlflow.utils.validation import MAX_METRICS_PER_BATCH
+from typing import TYPE_CHECKING, Any
 
 from miles_core.checkpoint import check_run_key, step_dir_name
 from miles_core.config import RunConfig
 from miles_core.redaction import redact, redact_text
+
+if TYPE_CHECKING:
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
 
 RUN_KEY_TAG = "miles.run_key"
 CONFIG_ARTIFACT = "config/resolved.json"
@@ -32,6 +34,8 @@ def tracking_uri(cfg: RunConfig) -> str:
 
 
 def client_for(uri: str) -> MlflowClient:
+    from mlflow.tracking import MlflowClient
+
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
@@ -88,6 +92,8 @@ def _log_config(client: MlflowClient, run_id: str, cfg: RunConfig) -> None:
     """The flattened config as params and as one artifact, each only where not logged yet
     (MLflow refuses to change a param; a resume's overrides must not rewrite the creator's
     file), then a tag saying so, which a later attach looks for."""
+    from mlflow.entities import Param
+
     flat = flatten(cfg.model_dump(mode="json"))
     logged = client.get_run(run_id).data.params
     params = [Param(k, v) for k, v in flat.items() if k not in logged]
@@ -171,6 +177,8 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if step <= self.logged_through:
             return
+        from mlflow.entities import Metric
+
         now = int(1000 * time.time())
         self.pending.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
 
@@ -181,12 +189,15 @@ class MetricsLogger:
             self.logged_through = max(m.step for m in self.pending)
         self.pending = []
 
-    def _batches(self, limit: int = MAX_METRICS_PER_BATCH) -> list[list[Metric]]:
+    def _batches(self, limit: int | None = None) -> list[list[Metric]]:
         """The pending metrics in step order, each step's probe last, in batches of whole steps
         (limit: MLflow's metrics per log_batch). A kill between batches then leaves the probe's
         highest step with all its metrics written, and a resume rewrites only steps that are
         not. A step over the limit is split, probe last: a kill between its pieces leaves the
         step unlogged, and its first pieces are written again on resume."""
+        from mlflow.utils.validation import MAX_METRICS_PER_BATCH
+
+        limit = limit or MAX_METRICS_PER_BATCH
         ordered = sorted(self.pending, key=lambda m: (m.step, m.key == self.probe_metric))
         batches: list[list[Metric]] = []
         for _, step_metrics in itertools.groupby(ordered, key=lambda m: m.step):
@@ -221,6 +232,8 @@ def register_model(uri: str, run_id: str, name: str, hf_export_dir: str, tags: d
     Each step's export has its own artifact path, so a resumed run that trains further never
     changes the weights of the version it registered before. A retry or resume that already
     registered this run's step gets that version back instead of a duplicate."""
+    from mlflow.exceptions import MlflowException
+
     client = client_for(uri)
     artifact_path = f"hf_export/{step_dir_name(step)}"
     source = f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}"
@@ -232,7 +245,7 @@ def register_model(uri: str, run_id: str, name: str, hf_export_dir: str, tags: d
         client.log_artifacts(run_id, hf_export_dir, artifact_path=artifact_path)
         try:
             client.get_registered_model(name)
-        except mlflow.exceptions.MlflowException:
+        except MlflowException:
             client.create_registered_model(name, description="HF exports of rl-posttrain runs")
         version = client.create_model_version(name, source=source, run_id=run_id,
                                               tags={k: redact_text(v) for k, v in tags.items()})

@@ -43,15 +43,26 @@ def split_probe(cfg: RunConfig, prompts: list[Prompt]) -> tuple[list[Prompt], li
     return [p for i, p in enumerate(prompts) if i not in held], [p for i, p in enumerate(prompts) if i in held]
 
 
+def probe_device(cfg: RunConfig) -> str:
+    """Where the probe engine runs: the GPU this process sees when the trainer trains on one
+    (a scratchpad task's long answers take minutes to decode on a CPU), else the CPU."""
+    import torch
+
+    return "cuda" if cfg.training.gpus_per_trainer > 0 and torch.cuda.is_available() else "cpu"
+
+
 class _Probe:
     """Greedy pass@1 of the trainer's current weights on the probe prompts, on an embedded
     engine in this process (the warm-up is a small-model stage)."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, prompts: list[Prompt]):
         from miles_core.rollout.engine import EmbeddedEngine
+        from miles_core.rollout.engine_group import embedded_server_args
 
         self.cfg, self.prompts = cfg, prompts
-        self.engine = EmbeddedEngine(model_dir, cfg.model.dtype, cfg.training.num_threads, device="cpu")
+        memory = embedded_server_args(cfg.rollout.engine).get("mem_fraction_static")
+        self.engine = EmbeddedEngine(model_dir, cfg.model.dtype, cfg.training.num_threads, device=probe_device(cfg),
+                                     mem_fraction_static=memory)
 
     def score(self, trainer, step: int) -> float:
         from miles_core.evaluation import evaluate_greedy
@@ -76,7 +87,7 @@ def run_sft_warmup(cfg: RunConfig, model_dir: str, prompts: list[Prompt], tokeni
     probe = _Probe(cfg, model_dir, probe_prompts) if probe_prompts else None
     score, steps = None, 0
     try:
-        samples = sft_samples(train_prompts, tokenizer)
+        samples = sft_samples(train_prompts, tokenizer, cfg.data.solution_key)
         rng = random.Random(cfg.seed)
         for step in range(w.sft_steps):
             batch = rng.sample(samples, min(w.batch_size, len(samples)))

@@ -28,6 +28,8 @@ class TinyModelConfig(Section):
     """Key/value heads (grouped-query attention; must divide num_attention_heads)."""
     intermediate_size: int = Field(256, ge=8)
     """MLP width of the built-in model."""
+    max_positions: int = Field(256, ge=16)
+    """Context length of the built-in model (prompt + response tokens)."""
     seed: int = 0
     """Seed of the random initialisation, part of the built-in model's identity."""
 
@@ -64,20 +66,36 @@ class ModelConfig(Section):
 
 
 class ArithmeticTaskConfig(Section):
+    kind: Literal["addition", "column_addition"] = "addition"
+    """`addition`: `a+b=` answered with the sum alone (a few tokens; exact_match reward).
+    `column_addition`: two `digits`-digit numbers added column by column in a worked
+    scratchpad that ends `Answer: <sum>` (DAPO's answer line; ~14 tokens per digit), with the
+    worked solution in each row's `solution` field for the SFT warm-up."""
     num_train: int = Field(4000, ge=1)
-    """Training problems generated for the built-in addition task."""
+    """Training problems generated for the built-in task."""
     num_eval: int = Field(200, ge=1)
     """Held-out problems (disjoint from training) for evaluation."""
     max_operand: int = Field(99, ge=1)
-    """Operands are drawn from [0, max_operand]."""
+    """addition: operands are drawn from [0, max_operand]."""
+    digits: int = Field(8, ge=1, le=18)
+    """column_addition: digits of each operand (both have exactly this many)."""
     seed: int = 1234
     """Seed of the problem generator, part of the dataset's identity."""
+
+    def distinct_problems(self) -> int:
+        """How many distinct (a, b) pairs the task can draw from."""
+        if self.kind == "column_addition":
+            return (9 * 10 ** (self.digits - 1)) ** 2
+        return (self.max_operand + 1) ** 2
 
     @model_validator(mode="after")
     def _enough_distinct_problems(self) -> ArithmeticTaskConfig:
         """Train and held-out problems are distinct pairs (a, b): refused here, a recipe asking
         for more would pass `miles plan` and the preflight and fail only in prepare-data."""
-        available, needed = (self.max_operand + 1) ** 2, self.num_train + self.num_eval
+        available, needed = self.distinct_problems(), self.num_train + self.num_eval
+        if needed > available and self.kind == "column_addition":
+            raise ValueError(f"num_train + num_eval = {needed} distinct problems, but digits={self.digits} gives at "
+                             f"most {available}: raise digits or lower num_train + num_eval")
         if needed > available:
             least = math.isqrt(needed - 1)  # the smallest m with (m + 1)^2 >= needed
             raise ValueError(
@@ -98,6 +116,9 @@ class DataConfig(Section):
     """Row key of the prompt: a list of chat messages or a plain string."""
     label_key: str = "label"
     """Row key of the reference answer (falls back to reward_model.ground_truth)."""
+    solution_key: str = "solution"
+    """Row key of a worked solution: the SFT warm-up trains on it where a row has one (the
+    label alone otherwise). RL rewards only the answer, so rows without it are fine."""
     apply_chat_template: bool = True
     """Render chat-message prompts with the tokenizer's chat template."""
     max_prompt_tokens: int = Field(1024, ge=1)

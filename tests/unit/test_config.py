@@ -65,6 +65,14 @@ def test_builtin_task_asking_for_more_distinct_problems_than_exist_is_refused():
     build_config({}, ["data.builtin.max_operand=9", "data.builtin.num_train=90", "data.builtin.num_eval=10"])
 
 
+def test_column_addition_task_counts_its_distinct_problems():
+    """One digit gives 9 x 9 = 81 pairs: more is refused before prepare-data."""
+    with pytest.raises(ConfigError, match="digits=1 gives at most 81"):
+        build_config({}, ["data.builtin.kind=column_addition", "data.builtin.digits=1"])
+    build_config({}, ["data.builtin.kind=column_addition", "data.builtin.digits=1", "data.builtin.num_train=80",
+                      "data.builtin.num_eval=1"])
+
+
 def test_hf_source_shape_and_sglang_needs_gpu():
     with pytest.raises(ConfigError, match="hf://org/repo"):
         build_config({"model": {"source": "hf://justrepo"}})

@@ -4,7 +4,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from miles_core.config import ArithmeticTaskConfig, DataConfig
-from miles_core.data import PromptSource, read_prompts, write_arithmetic_task
+from miles_core.data import PromptSource, read_prompts, sft_samples, write_arithmetic_task
+from miles_core.tiny import build_tokenizer
 from miles_core.rewards import dapo, dapo_normalize, exact_match, get_reward, last_boxed, math_boxed, math_equivalent
 
 # Rows as they appear in the public files: slime's processed dapo-math-17k.jsonl (prompt +
@@ -71,6 +72,44 @@ def test_builtin_task_is_disjoint_and_correct(tmp_path):
         assert int(row["label"]) == int(a) + int(b) and 0 <= int(a) <= 30 and 0 <= int(b) <= 30
     with pytest.raises(ValueError, match="lower num_train"):
         write_arithmetic_task(ArithmeticTaskConfig(num_train=100, num_eval=1, max_operand=5), tmp_path)
+
+
+def test_column_addition_task_has_long_worked_solutions_that_the_reward_accepts(tmp_path):
+    task = ArithmeticTaskConfig(kind="column_addition", digits=8, num_train=400, num_eval=100, seed=3)
+    train, held_out = write_arithmetic_task(task, tmp_path)
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    eval_rows = [json.loads(line) for line in held_out.read_text().splitlines()]
+    assert len(rows) == 400 and len(eval_rows) == 100
+    assert not {r["prompt"][0]["content"] for r in rows} & {r["prompt"][0]["content"] for r in eval_rows}
+    tokenizer = build_tokenizer()
+    lengths = []
+    for row in rows + eval_rows:
+        a, b = (int(x) for x in row["prompt"][0]["content"].rstrip("=").split("+"))
+        assert 10_000_000 <= min(a, b) and max(a, b) <= 99_999_999 and row["label"] == str(a + b)
+        assert dapo(row["solution"], row["label"]) == 1.0
+        lengths.append(len(tokenizer(row["solution"], add_special_tokens=False)["input_ids"]))
+    assert sum(lengths) / len(lengths) >= 100  # issue 39: real RL lengths
+    # a wrong column shows in the answer, so the reward checks every step
+    assert dapo(rows[0]["solution"].replace(f"Answer: {rows[0]['label']}", "Answer: 1"), rows[0]["label"]) == -1.0
+    again, _ = write_arithmetic_task(task, tmp_path / "again")
+    assert again.read_text() == train.read_text()
+
+
+def test_column_addition_solution_carries():
+    from miles_core.data import column_addition_solution
+
+    assert column_addition_solution(95, 17) == "1: 5+7+0=12\n2: 9+1+1=11\nAnswer: 112"
+
+
+def test_sft_trains_on_the_worked_solution_where_a_row_has_one(tmp_path):
+    task = ArithmeticTaskConfig(kind="column_addition", digits=3, num_train=5, num_eval=1)
+    train, _ = write_arithmetic_task(task, tmp_path)
+    tokenizer = build_tokenizer()
+    prompts = read_prompts(train, DataConfig(), tokenizer)
+    sample = sft_samples(prompts, tokenizer)[0]
+    assert tokenizer.decode(sample.response_ids) == prompts[0].metadata["solution"] + tokenizer.eos_token
+    label_only = sft_samples(prompts, tokenizer, solution_key="absent")[0]
+    assert tokenizer.decode(label_only.response_ids) == prompts[0].label + tokenizer.eos_token
 
 
 def test_prompt_source_resumes_exactly(tmp_path, tiny_model_dir):
