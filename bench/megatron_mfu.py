@@ -1,16 +1,41 @@
 """Training throughput and MFU: Megatron backend (local spec, SDPA core attention) vs the
 FSDP2 / HF+SDPA path, same random Qwen3-0.6B-shaped model, same GPU, same run.
 
-    python bench/megatron_mfu.py [--batch 8 16 24] [--seq 2048] [--steps 10] [--warmup 3] [--layers 28]
-                                 [--no-compile] [--static-shapes] [--sdpa {default,cudnn}] [--sweep]
-                                 [--rope-per-layer] [--profile] [--foreach-adamw-row] [--out DIR] [--time-budget S]
+    python bench/megatron_mfu.py [--precision {as_run,pure_bf16,both}] [--batch 8 16 24] [--seq 2048]
+                                 [--steps 10] [--warmup 3] [--layers 28] [--no-compile] [--static-shapes]
+                                 [--sdpa {default,cudnn}] [--sweep] [--rope-per-layer] [--profile]
+                                 [--foreach-adamw-row] [--out DIR] [--time-budget S]
+
+On the lent GPU (Python 3.12, torch 2.11, no network; pydantic from tests/gpu/carry.py's `tools`
+set, megatron-core carried as one 2.4 MB wheel):
+
+    # here: python3 tests/gpu/carry.py .whl/gpu   (its `tools` set: pydantic, pytest), and
+    #       pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+    #           -d .whl/gpu/megatron megatron-core==0.19.2
+    # there (carry .whl/gpu/tools and .whl/gpu/megatron):
+    sh tests/gpu/install.sh .whl/gpu/tools && sh tests/gpu/install.sh .whl/gpu/megatron
+    PYTHONPATH=/tmp/site python bench/megatron_mfu.py --out /tmp/mfu      # both precisions, ~6-10 min on an H100
+    PYTHONPATH=/tmp/site python bench/megatron_mfu.py --layers 2 --seq 512 --batch 2 --steps 2 --warmup 1  # smoke
+
+Precision (--precision, default both; each result row names its precision):
+- as_run: each trainer as `miles run` configures it on a GPU. Both keep fp32 parameters (master
+  weights), fp32 gradients and fp32 AdamW states and compute in bf16: FSDP2 through FSDPTrainer's own
+  sharding (miles_core.training.fsdp._shard with training.fsdp.compute_dtype=bfloat16: FSDP2's
+  MixedPrecisionPolicy gathers bf16 parameters, reduces in fp32), Megatron as MegatronTrainer runs it
+  (an fp32 GPTModel, forward under torch.autocast(bf16)). TF32 stays at torch's default (off), as in
+  the trainers. This is the headline: the top-level megatron / fsdp2_hf entries are its rows when it ran.
+- pure_bf16: bf16 parameters, gradients and AdamW states on both sides, no autocast, TF32 on (what
+  this bench measured before; neither trainer runs this way). Less memory and no fp32->bf16 casts, so
+  its figures are upper bounds for the trainers.
+The two run one after the other (the first one's models freed before the next is built).
 
 One step = forward + token log-probs of every next token (the trainers' loss path: Megatron
 through forward_logits + next_token_logprobs, HF through fsdp.causal_lm_logprobs, both the
 fused vocab-parallel log-prob of miles_core/training/logprobs.py, torch.compile'd on
 CUDA, over bf16 logits) + backward + grad clip + AdamW (fused, as the trainers run it on GPU).
-Parameters and optimizer state are bf16 on both sides. Decoder layers are torch.compile'd on both
-sides unless --no-compile (what training.compile_decoder_layers turns on in the trainers). As in
+Decoder layers are torch.compile'd on both
+sides unless --no-compile (what training.compile_decoder_layers, off by default, turns on in the
+trainers: pass --no-compile for the trainers' default). As in
 the trainers, the first batch size compiles static graphs and the next one a batch-dynamic graph
 that later sizes reuse; --static-shapes compiles one static graph per size instead (faster kernels
 for Megatron, one compile per shape). The two backends alternate per batch size; a batch size that does not fit
@@ -26,25 +51,42 @@ eager chunked log-probs; HF's log_softmax over fp32 logits) and times causal GQA
 per backend (flash, cuDNN, mem-efficient) and layout;
 --profile writes a torch.profiler kernel table of one step per configuration to --out and
 logs a breakdown by kernel kind. Progress goes to stderr; results go to --out/results.jsonl
-as they come; the last stdout line is the JSON summary. GPU only.
+as they come; the last stdout line is the JSON summary, with the GPU's name and the library
+versions. Nothing is silenced: Python warnings and torch's logged warnings (a recompile limit hit,
+a compiled kernel falling back to eager) are counted per precision in the JSON (`warnings`), as
+are Dynamo's graphs and graph breaks and whether the compiled log-prob pass fell back to eager.
+GPU only (on a CPU it exits with one line).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
+import logging
 import os
 import re
 import sys
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import QWEN3_06B_SHAPE, gpu_identity, log, rounded, start_gpu_bench
 
 PEAK_FLOPS = 989e12
+PRECISIONS = {
+    "as_run": {"params": "float32", "grads": "float32", "adamw_states": "float32", "compute": "bfloat16",
+               "how": "fp32 master weights and AdamW states, bf16 compute: FSDP2 MixedPrecisionPolicy(param bf16, "
+                      "reduce fp32) via FSDPTrainer's _shard (training.fsdp.compute_dtype=bfloat16); Megatron fp32 "
+                      "GPTModel under torch.autocast(bf16) as MegatronTrainer; TF32 off (torch's default)"},
+    "pure_bf16": {"params": "bfloat16", "grads": "bfloat16", "adamw_states": "bfloat16", "compute": "bfloat16",
+                  "how": "bf16 parameters, gradients and AdamW states, no autocast, TF32 on; neither trainer runs "
+                         "this way (an upper bound)"},
+}
 
 
 def hf_config(layers: int, seq: int):
@@ -68,13 +110,14 @@ def build_hf(config, dtype):
     return model.cuda().train()
 
 
-def shard_as_fsdp_trainer(hf_model) -> None:
-    """fully_shard each decoder layer, then the model: the FSDP2 path as FSDPTrainer builds it."""
-    from torch.distributed.fsdp import fully_shard
+def shard_as_fsdp_trainer(hf_model, mixed_precision: bool) -> None:
+    """FSDPTrainer's own sharding (fully_shard each decoder layer, then the model). mixed_precision:
+    training.fsdp.compute_dtype=bfloat16, FSDP2 gathering bf16 copies of the fp32 parameters and
+    reducing gradients in fp32; without it the parameters compute in their own dtype."""
+    from miles_core.config.schema import FSDPConfig
+    from miles_core.training.fsdp import _shard
 
-    for layer in hf_model.model.layers:
-        fully_shard(layer)
-    fully_shard(hf_model)
+    _shard(hf_model, FSDPConfig(compute_dtype="bfloat16" if mixed_precision else "float32"))
 
 
 def attention_flops_per_token(config, seq: int) -> float:
@@ -117,12 +160,18 @@ def set_hf_compiled(model, on: bool) -> None:
 
 
 # ---- steps ------------------------------------------------------------------------------------
-def megatron_step(model, optimizer, tokens, vocab_size: int):
+def megatron_step(model, optimizer, tokens, vocab_size: int, autocast: bool = False):
+    """autocast: the forward under torch.autocast(bf16), as MegatronTrainer._token_logprobs runs it
+    (the log-prob pass after it, on the bf16 logits)."""
+    import torch
+
     from miles_core.training.logprobs import next_token_logprobs
     from miles_core.training.megatron.grad_norm import clip_grad_norm
     from miles_core.training.megatron.model import forward_logits
 
-    logp, _ = next_token_logprobs(forward_logits(model, tokens), tokens, 1.0, vocab_size)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        logits = forward_logits(model, tokens)
+    logp, _ = next_token_logprobs(logits, tokens, 1.0, vocab_size)
     loss = -logp.mean()
     loss.backward()
     clip_grad_norm(list(model.parameters()), 1.0)
@@ -285,6 +334,10 @@ def sdpa_probe(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int) -
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--precision", choices=["as_run", "pure_bf16", "both"], default="both",
+                        help="as_run: fp32 master weights and AdamW states, bf16 compute, as both trainers run; "
+                             "pure_bf16: bf16 parameters and AdamW states (an upper bound); both: as_run then "
+                             "pure_bf16 (default)")
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 16, 24])
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
@@ -310,43 +363,99 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-STEPS = {"megatron": megatron_step, "fsdp2_hf": hf_step}
 COMPILE_SETTERS = {"megatron": set_megatron_compiled, "fsdp2_hf": set_hf_compiled}
 
 
-class MfuBench:
-    """Both backends' models and optimizers, built once on one GPU, and the configurations run on
-    them (each result logged, and appended to --out/results.jsonl as it comes)."""
+class WarningCounter(logging.Handler):
+    """Python warnings and torch's logged warnings while active, counted by source and message
+    start (start_gpu_bench silences Python warnings for the other benches; here they are kept,
+    since a fallback such as eager log-probs or a recompile limit changes the figure)."""
 
-    def __init__(self, args: argparse.Namespace, began: float) -> None:
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.counts: Counter[str] = Counter()
+        self.seen: set[int] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if id(record) not in self.seen:  # attached to the root and to torch's logger
+            self.seen.add(id(record))
+            self.counts[f"log {record.name}: {record.getMessage()[:160]}"] += 1
+
+    def __enter__(self) -> WarningCounter:
+        self.loggers = [logging.getLogger(), logging.getLogger("torch")]
+        for logger in self.loggers:
+            logger.addHandler(self)
+        self.catcher = warnings.catch_warnings(record=True)
+        self.caught = self.catcher.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.catcher.__exit__(*exc)
+        for logger in self.loggers:
+            logger.removeHandler(self)
+
+    def take(self) -> dict[str, int]:
+        """What was counted since the last take (and log it)."""
+        for w in self.caught:
+            self.counts[f"warning {w.category.__name__}: {str(w.message)[:160]}"] += 1
+        self.caught.clear()
+        counts, self.counts = dict(self.counts), Counter()
+        for message, n in counts.items():
+            log(f"{n} x {message}")
+        return counts
+
+
+class MfuBench:
+    """Both backends' models and optimizers for one precision (see PRECISIONS), built once on one
+    GPU, and the configurations run on them (each result logged, and appended to
+    --out/results.jsonl as it comes)."""
+
+    def __init__(self, args: argparse.Namespace, began: float, precision: str) -> None:
         import torch
 
-        self.args, self.began, self.profiles = args, began, []
-        torch.backends.cuda.matmul.allow_tf32 = True
+        self.args, self.began, self.precision, self.profiles = args, began, precision, []
+        as_run = precision == "as_run"
+        # the trainers leave TF32 at torch's default (off); the pure bf16 rows keep this bench's old setting
+        torch.backends.cuda.matmul.allow_tf32 = not as_run
         if args.static_shapes:
             import torch._dynamo
 
             torch._dynamo.config.automatic_dynamic_shapes = False
         self.config = hf_config(args.layers, args.seq)
         self.vocab = self.config.vocab_size
-        hf_model = build_hf(self.config, torch.bfloat16)
+        param_dtype = torch.float32 if as_run else torch.bfloat16
+        hf_model = build_hf(self.config, param_dtype)
         self.params = sum(p.numel() for p in hf_model.parameters())  # tied embedding counted once
         self.attn_flops = attention_flops_per_token(self.config, args.seq)
         if args.rope_per_layer:
             import miles_core.training.megatron.rope as rope
 
             rope.precompute_rope = lambda model: False
-        mg_model = build_megatron(self.config, hf_model, torch.bfloat16, args.fused_swiglu)
-        self.agreement = logits_agreement(hf_model, mg_model, self.vocab)
-        log(f"params {self.params / 1e6:.1f}M; megatron vs HF logits max rel diff {self.agreement:.3g}; "
-            f"built in {time.perf_counter() - began:.0f} s")
-        c = self.config
-        self.probe = (sdpa_probe(args.batch[0], args.seq, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-                      if args.sweep else [])
-        shard_as_fsdp_trainer(hf_model)
+        mg_model = build_megatron(self.config, hf_model, param_dtype, args.fused_swiglu)
+        self.agreement = logits_agreement(hf_model, mg_model, self.vocab, autocast=as_run)
+        log(f"[{precision}] params {self.params / 1e6:.1f}M in {param_dtype}; megatron vs HF logits max rel diff "
+            f"{self.agreement:.3g}; built in {time.perf_counter() - began:.0f} s")
+        shard_as_fsdp_trainer(hf_model, mixed_precision=as_run)
         self.models = {"megatron": mg_model, "fsdp2_hf": hf_model}
+        self.steps = {"megatron": functools.partial(megatron_step, autocast=as_run), "fsdp2_hf": hf_step}
         self.optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
                            for name, m in self.models.items()}
+        self.dtypes = {name: sorted({str(p.dtype).removeprefix("torch.") for p in m.parameters()})
+                       for name, m in self.models.items()}
+
+    def close(self) -> None:
+        """Free this precision's models, optimizers and compiled code before the next is built."""
+        import torch
+        import torch._dynamo
+
+        self.models = self.optimizers = self.steps = None
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def label(self, text: str) -> str:
+        return f"[{self.precision}] {text}"
 
     def time_left(self) -> bool:
         return not self.args.time_budget or time.perf_counter() - self.began < self.args.time_budget
@@ -364,11 +473,12 @@ class MfuBench:
         a, model, optimizer = self.args, self.models[name], self.optimizers[name]
         result = measure(step, model, optimizer, batch, a.seq, self.vocab, a.steps, a.warmup, self.params,
                          self.attn_flops, sdpa)
-        result = {"config": label, "backend": name, **result}
-        log(f"{label}: {rounded(result, 3)}")
+        result = {"config": self.label(label), "precision": self.precision, "backend": name, **result}
+        log(f"{result['config']}: {rounded(result, 3)}")
         self.record(result)
         if prof and not result.get("oom"):
-            self.profiles.append(profile_step(step, model, optimizer, batch, a.seq, self.vocab, label, a.out, sdpa))
+            self.profiles.append(profile_step(step, model, optimizer, batch, a.seq, self.vocab, result["config"],
+                                              a.out, sdpa))
             self.record({"profile": self.profiles[-1]})
         return result
 
@@ -376,8 +486,8 @@ class MfuBench:
         """--sweep: eager layers with the log-prob paths that came before, at the first batch size."""
         rows, batch = [], self.args.batch[0]
         for label, name, step, compiled_lp in (
-                ("megatron eager layers, eager chunked log-probs", "megatron", megatron_step, False),
-                ("megatron eager layers, compiled log-probs", "megatron", megatron_step, True),
+                ("megatron eager layers, eager chunked log-probs", "megatron", self.steps["megatron"], False),
+                ("megatron eager layers, compiled log-probs", "megatron", self.steps["megatron"], True),
                 ("fsdp2 eager layers, log_softmax fp32 logits", "fsdp2_hf", hf_step_log_softmax, True),
                 ("fsdp2 eager layers, compiled log-probs", "fsdp2_hf", hf_step, True)):
             if self.time_left():
@@ -395,10 +505,10 @@ class MfuBench:
         for i, batch in enumerate(a.batch):
             for name in self.models:
                 if not self.time_left():
-                    log(f"time budget spent: {name} batch {batch} skipped")
+                    log(f"time budget spent: {self.label(name)} batch {batch} skipped")
                     continue
                 label = f"{name} {'compiled' if a.compile else 'eager'} layers, sdpa {a.sdpa}"
-                results[name].append(self.run_one(label, name, STEPS[name], batch, a.sdpa,
+                results[name].append(self.run_one(label, name, self.steps[name], batch, a.sdpa,
                                                   prof=a.profile and i == 0))
         return results
 
@@ -412,14 +522,26 @@ class MfuBench:
             if ok and self.time_left():
                 self.optimizers[name] = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
                 rows.append(self.run_one(f"{name} {'compiled' if self.args.compile else 'eager'} layers, AdamW "
-                                         "foreach", name, STEPS[name], ok[-1]["batch"], self.args.sdpa))
+                                         "foreach", name, self.steps[name], ok[-1]["batch"], self.args.sdpa))
         return rows
 
 
-def summarize(bench: MfuBench, results: dict[str, list[dict]], sweep: list[dict]) -> dict:
-    import megatron.core
+def dynamo_counts() -> dict:
+    """Dynamo's graphs and graph breaks so far (reset with its counters between precisions)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return {"graphs": int(counters["stats"]["unique_graphs"]),
+                "graph_breaks": {k[:160]: v for k, v in counters["graph_break"].items()}}
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def summarize_precision(bench: MfuBench, results: dict[str, list[dict]], sweep: list[dict],
+                        warned: dict[str, int]) -> dict:
     import torch
-    import transformers
+
+    from miles_core.training import logprobs
 
     def best(name: str) -> dict | None:
         ok = [r for r in results[name] if not r.get("oom")]
@@ -428,61 +550,86 @@ def summarize(bench: MfuBench, results: dict[str, list[dict]], sweep: list[dict]
     same_batch = {str(mg["batch"]): mg["tokens_per_s"] / hf["tokens_per_s"]
                   for mg, hf in zip(results["megatron"], results["fsdp2_hf"]) if not mg.get("oom") and not hf.get("oom")}
     best_mg, best_hf = best("megatron"), best("fsdp2_hf")
-    try:
-        from torch._dynamo.utils import counters
-        graphs = int(counters["stats"]["unique_graphs"])
-        breaks = {k[:160]: v for k, v in counters["graph_break"].items()}
-    except Exception:  # noqa: BLE001
-        graphs, breaks = None, None
-    a = bench.args
     return {
-        "bench": "megatron_mfu", **gpu_identity(), "params": bench.params, "seq": a.seq,
-        "layers": a.layers, "steps": a.steps, "dtype": "bfloat16", "peak_flops": PEAK_FLOPS,
-        "attn_flops_per_token": bench.attn_flops, "compiled_layers": a.compile, "static_shapes": a.static_shapes,
-        "sdpa": a.sdpa, "fused_swiglu": a.fused_swiglu, "rope_per_layer": a.rope_per_layer,
-        "dynamo_graphs": graphs, "dynamo_graph_breaks": breaks,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "megatron_core": megatron.core.__version__},
+        "precision": bench.precision, **PRECISIONS[bench.precision], "param_dtypes_seen": bench.dtypes,
+        "params": bench.params,
+        "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "logits_max_rel_diff": bench.agreement,
         "megatron": {"best": best_mg, "runs": results["megatron"]},
         "fsdp2_hf": {"best": best_hf, "runs": results["fsdp2_hf"]},
         "ratio_megatron_over_fsdp2_same_batch": same_batch,
         "ratio_megatron_over_fsdp2_best": (best_mg["tokens_per_s"] / best_hf["tokens_per_s"]
                                            if best_mg and best_hf else None),
-        "sweep": sweep, "sdpa_probe": bench.probe, "profiles": bench.profiles,
-        "wall_s": time.perf_counter() - bench.began,
+        "sweep": sweep, "profiles": bench.profiles,
+        "dynamo": dynamo_counts(), "compiled_logprobs_fell_back_to_eager": "failed" in logprobs._COMPILED,
+        "warnings": warned,
     }
+
+
+def run_precision(args: argparse.Namespace, began: float, precision: str, warned: WarningCounter) -> dict:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    bench = MfuBench(args, began, precision)
+    sweep = bench.earlier_configurations() if args.sweep else []
+    results = bench.batch_sizes()
+    if args.foreach_adamw_row:
+        sweep += bench.foreach_adamw(results)
+    summary = summarize_precision(bench, results, sweep, warned.take())
+    bench.close()
+    return summary
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     began = start_gpu_bench(__file__, args.out)
+    import megatron.core
+
     from miles_core.training.megatron.model import init_parallel, shutdown_parallel
 
-    created = init_parallel(1)  # nccl world of one: megatron's groups, and FSDP2's default group
-    bench = MfuBench(args, began)
-    sweep = bench.earlier_configurations() if args.sweep else []
-    results = bench.batch_sizes()
-    if args.foreach_adamw_row:
-        sweep += bench.foreach_adamw(results)
-    summary = summarize(bench, results, sweep)
-    shutdown_parallel(created)
+    precisions = ["as_run", "pure_bf16"] if args.precision == "both" else [args.precision]
+    with WarningCounter() as warned:
+        created = init_parallel(1)  # nccl world of one: megatron's groups, and FSDP2's default group
+        c = hf_config(args.layers, args.seq)
+        probe = (sdpa_probe(args.batch[0], args.seq, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+                 if args.sweep else [])
+        setup_warnings = warned.take()
+        by_precision = {p: run_precision(args, began, p, warned) for p in precisions}
+        shutdown_parallel(created)
+    headline, identity = by_precision[precisions[0]], gpu_identity()
+    summary = {
+        "bench": "megatron_mfu", **identity, "megatron_core": megatron.core.__version__,
+        "versions": {**{k: v for k, v in identity.items() if k != "gpu"}, "megatron_core": megatron.core.__version__},
+        "params": headline["params"], "seq": args.seq, "layers": args.layers, "steps": args.steps,
+        "peak_flops": PEAK_FLOPS, "attn_flops_per_token": attention_flops_per_token(c, args.seq),
+        "compiled_layers": args.compile, "static_shapes": args.static_shapes, "sdpa": args.sdpa,
+        "fused_swiglu": args.fused_swiglu, "rope_per_layer": args.rope_per_layer,
+        "precisions_run": precisions, "headline_precision": precisions[0],
+        # the headline precision's rows at the top level (as this bench's JSON always had them)
+        **{k: headline[k] for k in ("logits_max_rel_diff", "megatron", "fsdp2_hf", "ratio_megatron_over_fsdp2_same_batch",
+                                    "ratio_megatron_over_fsdp2_best")},
+        "by_precision": by_precision, "sdpa_probe": probe, "setup_warnings": setup_warnings,
+        "wall_s": time.perf_counter() - began,
+    }
+    rows = [r for p in by_precision.values() for r in p["sweep"] + p["megatron"]["runs"] + p["fsdp2_hf"]["runs"]]
     log("summary: " + " | ".join(
         f"{r['config']} b{r['batch']}: " + ("OOM" if r.get("oom") else
                                             f"{r['tokens_per_s']:.0f} tok/s MFU {100 * r['mfu']:.1f}% "
                                             f"(+attn {100 * r['mfu_incl_attention']:.1f}%)")
-        for r in sweep + results["megatron"] + results["fsdp2_hf"]))
+        for r in rows))
     print(json.dumps(rounded(summary)), flush=True)
     return summary
 
 
-def logits_agreement(hf_model, mg_model, vocab: int) -> float:
+def logits_agreement(hf_model, mg_model, vocab: int, autocast: bool = False) -> float:
+    """Max |HF - Megatron| logit over max |HF logit| on one random sequence; autocast: both
+    forwards under torch.autocast(bf16), as the as-run trainers compute."""
     import torch
 
     from miles_core.training.megatron.model import forward_logits
 
     tokens = torch.randint(0, vocab, (1, 256), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         a = hf_model(input_ids=tokens).logits.float()
         b = forward_logits(mg_model, tokens)[..., :vocab].float()
     return float((a - b).abs().max() / a.abs().max())
