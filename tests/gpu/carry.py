@@ -13,7 +13,7 @@ On the GPU machine, after each set arrives: `sh tests/gpu/install.sh .whl/gpu/<s
   backend. SGLang's own pins (transformers 5.12.1 among them) go to a folder of their own, which
   only the SGLang server's interpreter sees (`rollout.engine.python`).
 - tools: what the project's processes and tests need that the image lacks (pydantic, pytest,
-  Ray's jsonschema);
+  Ray's jsonschema, the embedded engine's fastapi and uvicorn);
   small enough to travel with sglang-b.
 - ray: Ray 2.60.0 without its Java jar (30 MB; nothing here starts Java workers), for the
   driver (bench/driver_gpu.py); tests/gpu stub Ray where it is absent.
@@ -51,7 +51,10 @@ SGLANG_B = (
     "typing-inspection==0.4.5 uvicorn==0.55.0 wcwidth==0.9.5 torch-memory-saver==0.0.10")
 TOOLS = ("pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 pytest==9.2.0 "
          "pluggy==1.6.0 iniconfig==2.3.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 "
-         "rpds-py==2026.9.1")  # jsonschema & co: Ray's runtime needs them, the image lacks them
+         "rpds-py==2026.9.1 "  # Ray's runtime imports jsonschema
+         # the embedded engine's HTTP server (fastapi on uvicorn)
+         "fastapi==0.150.0 starlette==1.10.0 uvicorn==0.55.0 anyio==4.16.0 h11==0.16.0 annotated-doc==0.0.7 "
+         "opentelemetry-api==1.45.2 sniffio==1.3.1")
 RAY = "ray==2.60.0 msgpack==1.2.4"
 TRL = ("trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 pyarrow==25.0.1 pandas==3.1.1 python-dateutil==2.9.0.post0 "
        "six==1.17.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0")
