@@ -250,3 +250,44 @@ def colocated_overrides(gpu: bool, transport: str) -> list[str]:
             f"rollout.gpus_per_engine={0.4 if gpu else 0}", "rollout.cpus_per_engine=4",
             f"model.dtype={'bfloat16' if gpu else 'float32'}", f"rollout.weight_transport={transport}",
             "placement.layout=colocated"]
+
+
+def hf_dataset(rows: list[dict]):
+    """A `datasets.Dataset` of `rows` with a fingerprint from their content. datasets would hash
+    the Arrow table with dill, which pickles pyarrow by value, and fails, where pyarrow lies
+    outside a site-packages folder (the GPU machine's PYTHONPATH=/tmp/site)."""
+    import pyarrow as pa
+    from datasets import Dataset
+
+    return Dataset(pa.Table.from_pylist(rows), fingerprint=hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16])
+
+
+# algorithm.loss_aggregation -> TRL's loss_type of the same reduction: "dapo" normalises by the
+# batch's tokens (token_mean), "grpo" averages per sequence, "dr_grpo" by a constant length.
+TRL_LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum_norm": "dr_grpo"}
+
+
+def trl_grpo_config(cfg, out_dir: Path, max_steps: int, *, bf16: bool, cpu: bool, gradient_checkpointing: bool = False,
+                    **extra):
+    """TRL's GRPOConfig (no vLLM) matching recipe `cfg`: one generation of P*G completions per
+    optimizer step, accumulated over micro-batches of training.micro_batch_size, the recipe's lr,
+    lengths, sampling, clip range, KL weight, advantage scaling, loss reduction and optimizer."""
+    from trl import GRPOConfig
+
+    a, t, r = cfg.algorithm, cfg.training, cfg.rollout
+    rows = r.num_prompts_per_step * r.num_samples_per_prompt
+    micro = min(t.micro_batch_size, rows)  # ours too trains a smaller batch in one micro-batch
+    if rows % micro:
+        raise SystemExit(f"training.micro_batch_size {micro} must divide P*G = {rows}")
+    return GRPOConfig(
+        output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=rows // micro, generation_batch_size=rows,
+        num_generations=r.num_samples_per_prompt, max_completion_length=r.max_new_tokens,
+        temperature=r.temperature, top_p=r.top_p, learning_rate=t.lr,
+        lr_scheduler_type="constant_with_warmup" if t.lr_warmup_steps else "constant", warmup_steps=t.lr_warmup_steps,
+        optim="adamw_torch", adam_beta1=t.adam_betas[0], adam_beta2=t.adam_betas[1],
+        weight_decay=t.weight_decay, max_grad_norm=t.grad_clip, epsilon=a.eps_clip_low, epsilon_high=a.eps_clip_high,
+        beta=a.kl_loss_coef, loss_type=TRL_LOSS_TYPES[a.loss_aggregation],
+        scale_rewards="group" if a.normalize_std else "none", use_vllm=False, report_to=[], logging_steps=1,
+        save_strategy="no", bf16=bf16, fp16=False, use_cpu=cpu, seed=cfg.seed,
+        gradient_checkpointing=gradient_checkpointing, disable_tqdm=True, dataloader_pin_memory=False, **extra)

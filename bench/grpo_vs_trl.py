@@ -181,10 +181,8 @@ def exact_match_reward(prompts, completions, label, **_):
 
 
 def trl_dataset(train_path: Path):
-    from datasets import Dataset
-
     rows = [json.loads(line) for line in train_path.read_text().splitlines() if line.strip()]
-    return Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in rows])
+    return c.hf_dataset([{"prompt": r["prompt"], "label": r["label"]} for r in rows])
 
 
 def make_step_timer(between=None):
@@ -228,20 +226,9 @@ def trl_trainer_class():
 
 
 def trl_config(args, cfg, max_steps: int, out_dir: Path):
-    from trl import GRPOConfig
-
-    a, t = cfg.algorithm, cfg.training
-    return GRPOConfig(
-        output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=micro_batch(args),
-        gradient_accumulation_steps=args.prompts * args.samples // micro_batch(args),
-        generation_batch_size=args.prompts * args.samples,
-        num_generations=args.samples, max_completion_length=args.max_new_tokens,
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, learning_rate=args.lr,
-        lr_scheduler_type="constant", optim="adamw_torch", adam_beta1=t.adam_betas[0], adam_beta2=t.adam_betas[1],
-        weight_decay=t.weight_decay, max_grad_norm=t.grad_clip, epsilon=a.eps_clip_low, epsilon_high=a.eps_clip_high,
-        beta=0.0, loss_type="dapo", scale_rewards="group", use_vllm=False, report_to=[], logging_steps=1,
-        save_strategy="no", bf16=args.dtype == "bfloat16", fp16=False, use_cpu=args.device == "cpu", seed=cfg.seed,
-        gradient_checkpointing=args.trl_gradient_checkpointing, disable_tqdm=True, dataloader_pin_memory=False)
+    """cfg is ours_config(args, ...): it holds args' batch, lengths, lr and micro-batch."""
+    return c.trl_grpo_config(cfg, out_dir, max_steps, bf16=args.dtype == "bfloat16", cpu=args.device == "cpu",
+                             gradient_checkpointing=args.trl_gradient_checkpointing)
 
 
 def run_trl(args, cfg, model_dir: Path, train_path: Path, out_dir: Path, between=None) -> dict:

@@ -2,6 +2,7 @@
 # On the lent GPU machine: install one set built by tests/gpu/carry.py (see its docstring).
 #   sh tests/gpu/install.sh .whl/gpu/sglang-a   # SGLang's sets -> /tmp/sgl (SGLang's interpreter only)
 #   sh tests/gpu/install.sh .whl/gpu/tools      # pydantic, pytest -> /tmp/site (the project's processes)
+#   sh tests/gpu/install.sh .whl/gpu/trl        # TRL, datasets -> /tmp/site (bench/grpo_vs_trl.py, time_to_accuracy.py)
 # Writes /tmp/sgl-python: the interpreter a recipe names as rollout.engine.python there.
 set -eu
 set_dir=${1:?usage: install.sh WHEEL_SET_DIR}
