@@ -8,6 +8,7 @@ engine-agnostic.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,8 @@ from miles_core.weight_layout import fused_layout, weights_sha256
 
 # A seedless request in a seeded batch gets SGLang's deterministic-sampling default.
 SGLANG_DEFAULT_SEED = 42
+
+log = logging.getLogger(__name__)
 
 
 def split_sampling_params(params: dict | list[dict], num_prompts: int) -> tuple[dict, list[int] | None]:
@@ -86,6 +89,13 @@ class EmbeddedEngine:
         # (prompts not started come back empty); how the HTTP service's /abort_request gets in.
         self.interrupted: Callable[[], bool] | None = None
         use_slots = self.device.type == "cuda" and supports(self.model.config) if slot_decoding is None else slot_decoding
+        if self.device.type == "cuda" and not use_slots:  # several times slower decode: never silent
+            log.warning("embedded engine on %s decodes with transformers' generate, not slot decoding (%s)",
+                        self.device, "slot_decoding=False" if slot_decoding is False else
+                        "slot decoding does not support this model's attention (sliding windows, mixed layers "
+                        "or split head sizes)")
+        self.decode_path = "slots" if use_slots else "generate"
+        """How this engine decodes ("slots" or "generate"): benches report it."""
         # transformers marks the models whose forward compiles as one graph (CUDA graphs need it)
         compile_steps = self.device.type == "cuda" and getattr(self.model, "_can_compile_fullgraph", False)
         self.slots = (SlotDecoder(self.model, self.pad_id, max_batch_size, compile_steps, mem_fraction_static)
