@@ -374,15 +374,18 @@ class WarningCounter(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.counts: Counter[str] = Counter()
-        self.seen: set[int] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if id(record) not in self.seen:  # attached to the root and to torch's logger
-            self.seen.add(id(record))
-            self.counts[f"log {record.name}: {record.getMessage()[:160]}"] += 1
+        self.counts[f"log {record.name}: {record.getMessage()[:160]}"] += 1
 
     def __enter__(self) -> WarningCounter:
-        self.loggers = [logging.getLogger(), logging.getLogger("torch")]
+        import torch._dynamo  # noqa: F401 - torch's component loggers exist by now
+
+        # a record climbs to the root or to the first logger that does not propagate (torch's
+        # component loggers): attached to those, the counter sees each record once
+        self.loggers = [logging.getLogger()] + [
+            logger for name, logger in logging.Logger.manager.loggerDict.items()
+            if isinstance(logger, logging.Logger) and name.split(".")[0] == "torch" and not logger.propagate]
         for logger in self.loggers:
             logger.addHandler(self)
         self.catcher = warnings.catch_warnings(record=True)
@@ -417,7 +420,7 @@ class MfuBench:
         self.args, self.began, self.precision, self.profiles = args, began, precision, []
         as_run = precision == "as_run"
         # the trainers leave TF32 at torch's default (off); the pure bf16 rows keep this bench's old setting
-        torch.backends.cuda.matmul.allow_tf32 = not as_run
+        self.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = not as_run
         if args.static_shapes:
             import torch._dynamo
 
@@ -539,8 +542,6 @@ def dynamo_counts() -> dict:
 
 def summarize_precision(bench: MfuBench, results: dict[str, list[dict]], sweep: list[dict],
                         warned: dict[str, int]) -> dict:
-    import torch
-
     from miles_core.training import logprobs
 
     def best(name: str) -> dict | None:
@@ -553,7 +554,7 @@ def summarize_precision(bench: MfuBench, results: dict[str, list[dict]], sweep: 
     return {
         "precision": bench.precision, **PRECISIONS[bench.precision], "param_dtypes_seen": bench.dtypes,
         "params": bench.params,
-        "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "allow_tf32": bench.allow_tf32,
         "logits_max_rel_diff": bench.agreement,
         "megatron": {"best": best_mg, "runs": results["megatron"]},
         "fsdp2_hf": {"best": best_hf, "runs": results["fsdp2_hf"]},
