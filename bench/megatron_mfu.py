@@ -14,8 +14,11 @@ set, megatron-core carried as one 2.4 MB wheel):
     #           -d .whl/gpu/megatron megatron-core==0.19.2
     # there (carry .whl/gpu/tools and .whl/gpu/megatron):
     sh tests/gpu/install.sh .whl/gpu/tools && sh tests/gpu/install.sh .whl/gpu/megatron
-    PYTHONPATH=/tmp/site python bench/megatron_mfu.py --out /tmp/mfu      # both precisions, ~6-10 min on an H100
-    PYTHONPATH=/tmp/site python bench/megatron_mfu.py --layers 2 --seq 512 --batch 2 --steps 2 --warmup 1  # smoke
+    PYTHONPATH=/tmp/site python bench/megatron_mfu.py --layers 2 --seq 512 --batch 2 --steps 2 --warmup 1  # 45 s, H100
+    PYTHONPATH=/tmp/site python bench/megatron_mfu.py --precision as_run --out /tmp/mfu     # the full shape, one
+    PYTHONPATH=/tmp/site python bench/megatron_mfu.py --precision pure_bf16 --out /tmp/mfu  # precision per call
+(the full shape with both precisions in one process may outrun a 10-minute device call; --time-budget
+skips what would start late).
 
 Precision (--precision, default both; each result row names its precision):
 - as_run: each trainer as `miles run` configures it on a GPU. Both keep fp32 parameters (master
