@@ -227,8 +227,8 @@ def measure(model_dir: Path, device: str = "cuda", graphs: bool = True, num_prom
         warnings.simplefilter("always")
         engine = build_engine(model_dir, device, graphs, max_batch_size=max(num_prompts, 1))
         prompts = random_prompts(num_prompts, engine.model.config.vocab_size, seed)
-        path = {"slots": engine.slots is not None, "compiled_steps": bool(engine.slots and engine.slots.compiled),
-                "engine_dtype": str(engine.model.dtype)}
+        path = {"decode_path": engine.decode_path, "slots": engine.slots is not None,
+                "compiled_steps": bool(engine.slots and engine.slots.compiled), "engine_dtype": str(engine.model.dtype)}
         with DecodePath() as decode:
             rollouts = {"engine": rollout(engine, prompts, max_new_tokens, seed)}
             for scale in perturb_scales:
@@ -277,7 +277,7 @@ def measured(tmp_path_factory) -> dict:
 
 def test_engine_took_the_slot_path_with_cuda_graphs(measured):
     path = measured["path"]
-    assert path["slots"] and path["compiled_steps"], path  # not transformers' generate, not eager steps
+    assert path["decode_path"] == "slots" and path["slots"] and path["compiled_steps"], path  # not generate, not eager
     assert path["engine_dtype"] == "torch.bfloat16"
     assert path["decode_steps"] >= MAX_NEW_TOKENS - 1, path  # a prompt's first token comes from its prefill
     assert path["cuda_graph_captures"] > 0 and path["cudagraph_skips"] == 0, path
