@@ -5,8 +5,8 @@ from transformers import AutoTokenizer
 
 from miles_core.config import ArithmeticTaskConfig, DataConfig
 from miles_core.data import PromptSource, read_prompts, sft_samples, write_arithmetic_task
-from miles_core.tiny import build_tokenizer
 from miles_core.rewards import dapo, dapo_normalize, exact_match, get_reward, last_boxed, math_boxed, math_equivalent
+from miles_core.tiny import build_tokenizer
 
 # Rows as they appear in the public files: slime's processed dapo-math-17k.jsonl (prompt +
 # label) and the original BytedTsinghua-SIA/DAPO-Math-17k layout (reward_model.ground_truth).
