@@ -2,7 +2,7 @@
 """Wheels for the lent GPU machine (Python 3.12, torch 2.11, no network), in sets of under 64 MiB:
 what a device call can carry. Run here (a machine that reaches PyPI):
 
-    python3 tests/gpu/carry.py .whl/gpu          # -> .whl/gpu/{sglang-a,sglang-b,tools,ray,trl}
+    python3 tests/gpu/carry.py .whl/gpu          # -> .whl/gpu/{sglang-a,sglang-b,tools,ray,trl,megatron}
     python3 tests/gpu/carry.py .whl/gpu trl      # only the named sets
 
 On the GPU machine, after each set arrives: `sh tests/gpu/install.sh .whl/gpu/<set>`.
@@ -20,7 +20,8 @@ On the GPU machine, after each set arrives: `sh tests/gpu/install.sh .whl/gpu/<s
 - trl: TRL 1.16.0 and what it and `datasets` import beyond the image's torch, numpy,
   transformers and huggingface_hub, at the CPU venv's versions (accelerate, datasets, pyarrow,
   pandas and python-dateutil, dill, multiprocess, xxhash), for bench/grpo_vs_trl.py and
-  bench/time_to_accuracy.py. pyarrow's wheel (50 MB) leaves out Arrow Flight (RPC, 10 MB), its C++
+  bench/time_to_accuracy.py.
+- megatron: megatron-core 0.19.2 (2.4 MB), for bench/megatron_mfu.py and tests/gpu/test_megatron_gpu.py. pyarrow's wheel (50 MB) leaves out Arrow Flight (RPC, 10 MB), its C++
   headers and tests: datasets never loads them.
 """
 
@@ -58,7 +59,8 @@ TOOLS = ("pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-i
 RAY = "ray==2.60.0 msgpack==1.2.4"
 TRL = ("trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 pyarrow==25.0.1 pandas==3.1.1 python-dateutil==2.9.0.post0 "
        "six==1.17.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0")
-SETS = {"sglang-a": SGLANG_A, "sglang-b": SGLANG_B, "tools": TOOLS, "ray": RAY, "trl": TRL}
+MEGATRON = "megatron-core==0.19.2"  # its dependencies (torch, numpy, packaging) are on the image
+SETS = {"sglang-a": SGLANG_A, "sglang-b": SGLANG_B, "tools": TOOLS, "ray": RAY, "trl": TRL, "megatron": MEGATRON}
 # wheel name prefix -> member patterns left out
 SLIM = {"sglang_kernel-": ("flash_ops", "/sm100/", "infllm_ops", "flashmla_ops"),
         "xgrammar-": (r"lib/libxgrammar\.a$", "/include/"),
