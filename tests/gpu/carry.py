@@ -20,9 +20,9 @@ On the GPU machine, after each set arrives: `sh tests/gpu/install.sh .whl/gpu/<s
 - trl: TRL 1.16.0 and what it and `datasets` import beyond the image's torch, numpy,
   transformers and huggingface_hub, at the CPU venv's versions (accelerate, datasets, pyarrow,
   pandas and python-dateutil, dill, multiprocess, xxhash), for bench/grpo_vs_trl.py and
-  bench/time_to_accuracy.py.
-- megatron: megatron-core 0.19.2 (2.4 MB), for bench/megatron_mfu.py and tests/gpu/test_megatron_gpu.py. pyarrow's wheel (50 MB) leaves out Arrow Flight (RPC, 10 MB), its C++
+  bench/time_to_accuracy.py. pyarrow's wheel (50 MB) leaves out Arrow Flight (RPC, 10 MB), its C++
   headers and tests: datasets never loads them.
+- megatron: megatron-core 0.19.2 (2.4 MB), for bench/megatron_mfu.py and tests/gpu/test_megatron_gpu.py.
 """
 
 from __future__ import annotations
