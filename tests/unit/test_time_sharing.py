@@ -23,3 +23,16 @@ def test_time_sharing_is_refused_where_it_cannot_run_and_says_how_to_fix(overrid
 def test_time_sharing_runs_colocated_and_sync():
     cfg = build_config({}, ["placement.time_sharing=true", "placement.layout=colocated"])
     assert cfg.placement.time_sharing and cfg.rollout.loop.kind == "sync"
+
+
+def test_engine_releases_its_kv_cache_and_rebuilds_it_on_the_next_call(tiny_model_dir):
+    from miles_core.rollout.engine import EmbeddedEngine
+
+    engine = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=True)
+    params = {"max_new_tokens": 4, "temperature": 0.0}
+    before = engine.generate([[5, 6]], params)[0]["output_ids"]
+    assert engine.slots.cache is not None
+    engine.release_memory(["kv_cache"])
+    assert engine.slots.cache is None and not engine.released_weights  # weights untouched
+    engine.resume_memory(["kv_cache"])
+    assert engine.generate([[5, 6]], params)[0]["output_ids"] == before and engine.slots.cache is not None
