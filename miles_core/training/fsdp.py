@@ -316,3 +316,8 @@ class FSDPTrainer(RLTrainerCore):
         state_io.set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), meta.pop("python_rng"))
         self.step = int(meta.pop("trainer_step"))
         return meta
+
+
+# The weight pushes a restarted engine triggers mid-rollout (trainer offloaded) read the state too.
+for _name in ("share_weights", "write_shared_weights", "broadcast_weights", "send_weights_over_cuda_ipc"):
+    setattr(FSDPTrainer, _name, _resident(getattr(RLTrainerCore, _name)))

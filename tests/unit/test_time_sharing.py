@@ -36,3 +36,52 @@ def test_engine_releases_its_kv_cache_and_rebuilds_it_on_the_next_call(tiny_mode
     assert engine.slots.cache is None and not engine.released_weights  # weights untouched
     engine.resume_memory(["kv_cache"])
     assert engine.generate([[5, 6]], params)[0]["output_ids"] == before and engine.slots.cache is not None
+
+
+class _Recorder:
+    """Stands in for the trainer (its remote calls), the engine group and its clients, and the
+    run's weight push, writing each call into one list."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def method(self, name: str, result=None):
+        def call(*args, **kwargs):
+            self.calls.append(name + (f" {args[0]}" if args and isinstance(args[0], list) else ""))
+            return {} if result is None else result
+        return call
+
+
+def test_a_time_shared_step_hands_the_device_over_in_order(monkeypatch):
+    """rollout (trainer offloaded) -> release engines -> onload -> train -> resume weights ->
+    push -> offload -> resume kv cache, every step."""
+    from types import SimpleNamespace
+
+    from miles_core import loop, time_sharing
+    from miles_core.run import LoopState
+    from miles_core.schedules import RolloutBatch
+
+    rec = _Recorder()
+    monkeypatch.setattr(time_sharing, "ray", SimpleNamespace(get=lambda value: value))
+    monkeypatch.setattr(loop, "RolloutManager", lambda *a, **k: None)
+    monkeypatch.setattr(loop, "make_producer", lambda run, manager: lambda step, version: (
+        rec.calls.append("rollout"), RolloutBatch([], {}, version))[1])
+    monkeypatch.setattr(loop, "train_on", lambda cfg, trainer, batch: (
+        rec.calls.append("train"), {"time/train_seconds": 1.0})[1])
+    monkeypatch.setattr(loop, "throughput", lambda batch, seconds: {})
+    client = SimpleNamespace(release_memory=rec.method("release"), resume_memory=rec.method("resume"))
+    engines = SimpleNamespace(targets=lambda: [(None, "http://e0")], client=lambda url: client,
+                              heal=rec.method("heal", []))
+    trainer = SimpleNamespace(offload=SimpleNamespace(remote=rec.method("offload")),
+                              onload=SimpleNamespace(remote=rec.method("onload")))
+    cfg = build_config({}, ["placement.time_sharing=true", "placement.layout=colocated", "training.num_steps=2",
+                            "checkpoint.interval_steps=100"])
+    run = SimpleNamespace(cfg=cfg, engines=engines, trainer=trainer, tokenizer=None, save=rec.method("save"),
+                          evaluator=SimpleNamespace(due=lambda step: False, collect=lambda wait: {}),
+                          push_weights=lambda version: (rec.calls.append("push"), {})[1],
+                          hooks=SimpleNamespace(on_metrics=lambda *a: None, on_step=lambda *a: None,
+                                                before_checkpoint=lambda *a: None, on_checkpoint=lambda *a: None))
+    assert loop.run_loop(run, LoopState()).step == 2
+    step = ["rollout", "heal", "release ['weights', 'kv_cache']", "onload", "train", "resume ['weights']", "push",
+            "offload", "resume ['kv_cache']"]
+    assert rec.calls == ["offload", *step, *step, "save"]
