@@ -85,3 +85,23 @@ def test_a_time_shared_step_hands_the_device_over_in_order(monkeypatch):
     step = ["rollout", "heal", "release ['weights', 'kv_cache']", "onload", "train", "resume ['weights']", "push",
             "offload", "resume ['kv_cache']"]
     assert rec.calls == ["offload", *step, *step, "save"]
+
+
+def test_plan_shows_each_phase_and_refuses_a_time_shared_layout_that_does_not_fit():
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from miles_core.config import load_config
+    from miles_core.memory import GIB, phase_peaks
+    from tests.conftest import REPO
+
+    recipe = REPO / "configs" / "qwen3-4b-timeshare.yaml"
+    shared = phase_peaks(load_config(recipe))
+    unshared = phase_peaks(load_config(recipe, ["placement.time_sharing=false"]))
+    assert shared.train < unshared.train and shared.rollout < shared.train < 80 * GIB < unshared.peak
+    ok = CliRunner().invoke(app, ["plan", str(recipe), "--skip-preflight"], terminal_width=200)
+    assert ok.exit_code == 0, ok.output
+    assert all(row in ok.output for row in ("rollout (time-shared)", "train", "sync", "peak per GPU"))
+    refused = CliRunner().invoke(app, ["plan", str(recipe), "--skip-preflight", "--gpu-gib", "40"], terminal_width=200)
+    assert refused.exit_code == 2
+    assert "the train phase needs" in refused.output and "more than the GPU's 40 GiB" in refused.output
