@@ -139,7 +139,9 @@ def plan(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/loca
          fields: bool = typer.Option(False, "--fields", help="print every config field with its docs"),
          skip_preflight: bool = typer.Option(False, "--skip-preflight",
                                              help="validate the recipe only, not its model, data and store (e.g. "
-                                                  "sources that only the cluster reaches)")) -> None:
+                                                  "sources that only the cluster reaches)"),
+         gpu_gib: float = typer.Option(80.0, "--gpu-gib", help="memory of one GPU in GiB, against which a "
+                                                               "time-shared layout's phase peaks are checked")) -> None:
     """Validate a recipe and its inputs, print the resolved config, resource layout and stages
     (runs nothing, writes nothing)."""
     cfg = _load(config, set_, check_inputs=not skip_preflight)
@@ -155,12 +157,22 @@ def plan(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/loca
     for row in layout_rows(cfg):
         layout.add_row(*row)
     console.print(layout)
-    from miles_core.memory import describe_estimate  # only `plan` needs it
+    from miles_core.memory import check_phases_fit, describe_estimate, describe_phases  # only `plan` needs them
 
     memory = Table("what", "estimate", title="trainer memory per GPU (see miles_core/memory.py for what it counts)")
     for row in describe_estimate(cfg):
         memory.add_row(*row)
     console.print(memory)
+    if phases := describe_phases(cfg):
+        table = Table("phase", "peak", title="trainer and engines on one GPU, per phase of a step")
+        for row in phases:
+            table.add_row(*row)
+        console.print(table)
+    try:
+        check_phases_fit(cfg, gpu_gib)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
     console.print("stages: " + " -> ".join(STAGES))
 
 

@@ -23,6 +23,7 @@ from miles_core.data import PromptSource, Sample, sft_samples
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.router import NoHealthyEngine
 from miles_core.schedules import SCHEDULES, RolloutBatch, timed
+from miles_core.time_sharing import time_sharing
 
 if TYPE_CHECKING:
     from miles_core.run import LoopState, TrainingRun
@@ -159,17 +160,21 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
             run.hooks.on_metrics(step, metrics)
 
     schedule = SCHEDULES[cfg.rollout.loop.kind](make_producer(run, manager), cfg)
+    sharing = time_sharing(cfg, run.trainer, engines)  # placement.time_sharing: see miles_core.time_sharing
     try:
+        sharing.start()
         while state.step < cfg.training.num_steps:
             started = time.perf_counter()
             batch = schedule.next(state.step, state.weight_version)
             waited = time.perf_counter() - started
-            metrics = batch.metrics | train_on(cfg, run.trainer, batch)
+            metrics = batch.metrics | sharing.before_train()
+            metrics |= train_on(cfg, run.trainer, batch)
             state.step += 1
             state.weight_version += 1
             with schedule.hold_engines():  # no generation runs while weights change
-                metrics["rollout/engine_restarts"] = float(len(engines.heal()))
-                metrics |= run.push_weights(state.weight_version)
+                if not sharing.enabled:  # time-sharing heals before it releases the engines
+                    metrics["rollout/engine_restarts"] = float(len(engines.heal()))
+                metrics |= sharing.push(lambda: run.push_weights(state.weight_version))
                 if evaluator.due(state.step):  # rollout engines are held: rollout pauses
                     evaluator.run(state.step, state.weight_version, engines)
             metrics |= throughput(batch, metrics["time/train_seconds"])

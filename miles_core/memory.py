@@ -21,7 +21,8 @@ Megatron keeps them whole on every data-parallel rank):
 Not counted: CUDA context and allocator fragmentation (a few GiB), FSDP2's gathered copy of
 the layer being computed, the eager path's fp32
 logits chunk (256 MB), communication buffers, and the rollout engines (SGLang sizes its own
-KV cache from mem_fraction_static).
+KV cache from mem_fraction_static); the rollout engines' weights and KV cache are estimated
+separately, per phase, where they share the trainer's GPUs (phase_peaks).
 """
 
 from __future__ import annotations
@@ -239,3 +240,83 @@ def describe_estimate(cfg: RunConfig) -> list[tuple[str, str]]:
                         f"tokens at most, recompute {'on' if layout.recompute else 'off'})"),
         ("total per trainer GPU", f"{_size(est.total_bytes)} (+ CUDA context and fragmentation)"),
     ]
+
+
+# ---- phases of a shared GPU (placement.time_sharing) -----------------------------------------------
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DEFAULT_GPU_GIB = 80.0  # an H100's; `miles plan --gpu-gib` for others
+
+
+@dataclass(frozen=True)
+class PhasePeaks:
+    """Bytes on one GPU the trainer shares with engines, in each phase of a step."""
+
+    rollout: int
+    train: int
+    sync: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.rollout, self.train, self.sync)
+
+
+def engine_bytes(cfg: RunConfig, d: ModelDims) -> tuple[int, int]:
+    """(weights, KV cache) of the engines on one GPU. The KV cache counted is what a sync step's
+    batch needs at once (every sample decoding to the full length, max_running_requests at a
+    time), not what SGLang reserves: mem_fraction_static claims a share of whatever is free."""
+    r = cfg.rollout
+    tp = int(r.engine.server_args.get("tp_size") or max(1, int(r.gpus_per_engine))) if r.engine.kind == "sglang" else 1
+    per_gpu = 1 if r.gpus_per_engine >= 1 else min(r.num_engines, max(1, int(1 / r.gpus_per_engine)))
+    element = DTYPE_BYTES.get(cfg.model.dtype, 2)
+    weights = per_gpu * parameter_counts(d, Layout())[0] * element // tp
+    sequences = -(-r.num_prompts_per_step * r.num_samples_per_prompt // r.num_engines)
+    limit = (getattr(r.engine, "max_running_requests", None)
+             or getattr(r.engine, "server_args", {}).get("max_running_requests"))
+    sequences = min(sequences, int(limit)) if limit else sequences
+    per_token = 2 * d.num_layers * d.num_kv_heads * d.head_dim * element  # keys and values
+    return weights, per_gpu * sequences * (cfg.data.max_prompt_tokens + r.max_new_tokens) * per_token // tp
+
+
+def phase_peaks(cfg: RunConfig) -> PhasePeaks | None:
+    """Per-GPU bytes while engines generate (rollout), the trainer updates (train) and weights
+    move (sync), for a trainer and engines on the same GPUs; None when the shape is unknown.
+    Time-shared, each phase holds only its side: rollout the engines, train the trainer, sync the
+    trainer's state (no activations, gradients freed) with the engines' weights and, for the
+    shared_memory transport, its engine-dtype copy of the weights. Unshared, every phase holds all."""
+    d, trainer = model_dims(cfg.model), estimate_for_config(cfg)
+    if d is None or trainer is None:
+        return None
+    weights, kv = engine_bytes(cfg, d)
+    resident = trainer.weights_bytes + trainer.optimizer_bytes + trainer.frozen_bytes
+    buffer = weights if cfg.rollout.weight_transport.kind == "shared_memory" else 0
+    if cfg.placement.time_sharing:
+        return PhasePeaks(rollout=weights + kv, train=trainer.total_bytes, sync=resident + weights + buffer)
+    return PhasePeaks(rollout=resident + weights + kv + buffer, train=trainer.total_bytes + weights + kv + buffer,
+                      sync=resident + trainer.grads_bytes + weights + kv + buffer)
+
+
+def shares_a_gpu(cfg: RunConfig) -> bool:
+    return cfg.placement.layout == "colocated" and cfg.training.gpus_per_trainer > 0 and cfg.rollout.gpus_per_engine > 0
+
+
+def check_phases_fit(cfg: RunConfig, gpu_gib: float = DEFAULT_GPU_GIB) -> None:
+    """Refuses a time-shared layout whose busiest phase exceeds one GPU (the point of sharing is
+    to fit; a layout that does not would fail with out-of-memory after the model loads)."""
+    peaks = phase_peaks(cfg) if cfg.placement.time_sharing and shares_a_gpu(cfg) else None
+    if peaks is None or peaks.peak <= gpu_gib * GIB:
+        return
+    phase = max(("rollout", "train", "sync"), key=lambda name: getattr(peaks, name))
+    raise ValueError(f"the {phase} phase needs {_size(peaks.peak)} per GPU, more than the GPU's {gpu_gib:g} GiB: "
+                     "lower rollout.num_prompts_per_step or rollout.max_new_tokens (KV cache), "
+                     "training.micro_batch_size or turn on training.fsdp.activation_checkpointing (activations), "
+                     "or spread the trainer over more GPUs (training.gpus_per_trainer)")
+
+
+def describe_phases(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(phase, per-GPU peak) rows for `miles plan` where trainer and engines share GPUs."""
+    peaks = phase_peaks(cfg) if shares_a_gpu(cfg) else None
+    if peaks is None:
+        return []
+    how = "time-shared" if cfg.placement.time_sharing else "not time-shared: all phases hold everything"
+    return [(f"rollout ({how})", _size(peaks.rollout)), ("train", _size(peaks.train)), ("sync", _size(peaks.sync)),
+            ("peak per GPU", f"{_size(peaks.peak)} (+ CUDA context and fragmentation)")]

@@ -286,6 +286,13 @@ class PlacementConfig(Section):
     """Extra (custom) Ray resources each engine bundle requires, e.g. {"rollout_node": 1}."""
     ready_timeout_seconds: float = Field(600.0, gt=0)
     """How long to wait for the cluster to fit the placement group before failing."""
+    time_sharing: bool = False
+    """Trainer and engines take turns on the same GPUs: each step the trainer's parameters,
+    gradients and optimizer states leave the device (to pinned host memory) while the engines
+    generate, and the engines release their weights and KV cache while the trainer trains. Costs
+    the offload/onload copies each step (time/offload_seconds, time/onload_seconds); buys room for
+    a model whose trainer and engines do not fit a GPU together. Needs layout=colocated and
+    rollout.loop=sync."""
     driver: Literal["inline", "ray_job"] = "inline"
     """Where the training driver runs: inline in the train task's process, or as a Ray Job on
     the cluster (Jobs API at ray_jobs_address) that outlives the task's process; a retried
@@ -470,6 +477,7 @@ class RunConfig(Section):
         self._engines_fit()
         self._routing_replay_fits()
         self._teacher_fits()
+        self._time_sharing_fits()
         if self.eval.use_rollout_generate and not self.rollout.generate:
             raise ValueError("eval.use_rollout_generate evaluates with rollout.generate, which is not set: set it "
                              "(package.module:function) or eval.use_rollout_generate=false")
@@ -555,6 +563,22 @@ class RunConfig(Section):
             raise ValueError(f"rollout.weight_transport={transport} on GPUs needs the trainer (one rank) and the "
                              "engines on one GPU: placement.layout=colocated and training.gpus_per_trainer + "
                              "rollout.num_engines * rollout.gpus_per_engine <= 1; use broadcast otherwise")
+
+    def _time_sharing_fits(self) -> None:
+        """Time-sharing hands the GPUs back and forth each step: nothing may overlap rollout and
+        training, and the trainer must be able to leave the device."""
+        if not self.placement.time_sharing:
+            return
+        if self.placement.layout != "colocated":
+            raise ValueError("placement.time_sharing makes the trainer and engines take turns on the same GPUs: set "
+                             "placement.layout=colocated (or placement.time_sharing=false)")
+        if self.rollout.loop.kind != "sync":
+            raise ValueError(f"placement.time_sharing cannot run rollout.loop={self.rollout.loop.kind}: it overlaps "
+                             "generation with training, which is impossible while they share a GPU by turns; set "
+                             "rollout.loop=sync, or placement.time_sharing=false with GPUs of their own")
+        if self.training.backend != "fsdp2":
+            raise ValueError("placement.time_sharing offloads the trainer between updates, which only the fsdp2 "
+                             "backend implements: set training.backend=fsdp2 or placement.time_sharing=false")
 
     def _teacher_fits(self) -> None:
         source = self.algorithm.teacher_source

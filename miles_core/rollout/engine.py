@@ -34,6 +34,9 @@ from miles_core.rollout.slot_decoder import (
 )
 from miles_core.weight_layout import fused_layout, weights_sha256
 
+MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
+"""SGLang's GPU memory tags (release/resume_memory_occupation)."""
+
 # A seedless request in a seeded batch gets SGLang's deterministic-sampling default.
 SGLANG_DEFAULT_SEED = 42
 
@@ -82,6 +85,9 @@ class EmbeddedEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
+        for param in self._parameters():  # on CPU, tensors mapped from the checkpoint file: copied to
+            if not param.untyped_storage().resizable():  # memory of their own, which release_memory can free
+                param.data = param.data.clone()
         self.weight_version = "default"  # SGLang's before any update
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -98,6 +104,8 @@ class EmbeddedEngine:
         """How this engine decodes ("slots" or "generate"): benches report it."""
         # transformers marks the models whose forward compiles as one graph (CUDA graphs need it)
         compile_steps = self.device.type == "cuda" and getattr(self.model, "_can_compile_fullgraph", False)
+        self.released_weights: list[tuple[torch.UntypedStorage, int]] = []
+        """Storages freed by release_memory(["weights"]) and their sizes, until resume_memory."""
         self.slots = (SlotDecoder(self.model, self.pad_id, max_batch_size, compile_steps, mem_fraction_static)
                       if use_slots else None)
 
@@ -111,6 +119,36 @@ class EmbeddedEngine:
             return {"success": False, "message": f"missing={missing[:5]} unexpected={unexpected[:5]}"}
         self.weight_version = str(weight_version)
         return {"success": True, "message": f"weights at version {weight_version}"}
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """SGLang's /release_memory_occupation: tags among "weights", "kv_cache" (None: all;
+        "cuda_graph" is accepted and keeps its memory). Released weights are gone, not kept on the
+        host (SGLang without --enable-weights-cpu-backup): the next weight update refills them.
+        Callers hold the engine's lock, so no generation runs meanwhile."""
+        tags = MEMORY_TAGS if tags is None else set(tags)
+        if "kv_cache" in tags and self.slots is not None:
+            self.slots.cache = None  # the next call allocates it again, within its KV budget
+        if "weights" in tags and not self.released_weights:
+            for param in self._parameters():
+                storage = param.untyped_storage()
+                self.released_weights.append((storage, storage.nbytes()))
+                storage.resize_(0)  # the Parameter objects stay: loaders and caches keep their references
+        if self.device.type == "cuda":  # hand the freed blocks back to the driver, for the trainer's process
+            torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """SGLang's /resume_memory_occupation: weights get their memory back, uninitialised until
+        the next weight update; the KV cache is allocated by the next generation."""
+        tags = MEMORY_TAGS if tags is None else set(tags)
+        if "weights" in tags:
+            for storage, nbytes in self.released_weights:
+                storage.resize_(nbytes)
+            self.released_weights = []
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        """Distinct parameters (a tied head is its embedding's); buffers such as rotary
+        frequencies are no checkpoint tensors, so no update could refill them: they stay."""
+        return list({id(p): p for p in self.model.parameters()}.values())
 
     def weights_sha256(self) -> str:
         """Digest of the engine's weights under HF names (tied lm_head excluded)."""

@@ -297,6 +297,25 @@ class EngineService:
                                        f"({type(exc).__name__}: {exc}); waiting for a complete update")
         logger.error("weight update to version %s failed: %s: %s", weight_version, type(exc).__name__, exc)
 
+    def release_memory(self, tags: list[str] | None) -> dict:
+        """Free weights and/or KV cache (time-sharing the GPU with a trainer). Waits for the
+        running generation; with weights released, generation is refused (503) until they are
+        resumed and a complete weight version is loaded, as SGLang requires."""
+        with self.lock:
+            self.engine.release_memory(tags)
+            if self.engine.released_weights:
+                self.weights_incomplete = ("weights released by /release_memory_occupation: resume them "
+                                           "(/resume_memory_occupation tags=[weights]) and load a weight version")
+        return weight_result(True, f"released {sorted(tags or ['all'])}")
+
+    def resume_memory(self, tags: list[str] | None) -> dict:
+        with self.lock:
+            had_released = bool(self.engine.released_weights)
+            self.engine.resume_memory(tags)
+            if had_released and not self.engine.released_weights:
+                self.weights_incomplete = "weights resumed without their contents: load a weight version"
+        return weight_result(True, f"resumed {sorted(tags or ['all'])}")
+
     def update_from_disk(self, body: dict) -> dict:
         if self.session_failed and self.weight_update_selector is not None:
             return weight_result(False, FAILED_SESSION)

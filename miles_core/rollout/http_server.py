@@ -216,11 +216,14 @@ def _add_control_routes(app: FastAPI, service: EngineService) -> None:
         return Response("Cache flushed.\n", status_code=200)
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: Request) -> dict:
+        tags = (await _parse(request, MemoryOccupationReqInput)).tags
+        return await run_in_threadpool(service.release_memory, tags)  # waits for the running batch
+
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def memory_occupation(request: Request) -> dict:
-        await _parse(request, MemoryOccupationReqInput)
-        # The engine keeps its weights and KV cache; --mem-fraction-static bounds what it holds.
-        return weight_result(True, "no-op: the embedded engine keeps its memory")
+    async def resume_memory_occupation(request: Request) -> dict:
+        tags = (await _parse(request, MemoryOccupationReqInput)).tags
+        return await run_in_threadpool(service.resume_memory, tags)
 
 
 def _weights_response(result: dict) -> JSONResponse:

@@ -3,6 +3,8 @@ checkpoints in safetensors + JSON (no pickle anywhere on the load path)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 from pathlib import Path
@@ -25,7 +27,23 @@ from miles_core.training.batches import pad_batch
 from miles_core.training.core import RLTrainerCore
 from miles_core.training.data_parallel import rank_micro_batches
 from miles_core.training.logprobs import next_token_logprobs
+from miles_core.training.offload import HostOffload, module_tensors
 from miles_core.weight_layout import checkpoint_layout, weights_sha256
+
+
+def _resident(method):
+    """Runs a method with the trainer's state on the device (see FSDPTrainer.resident)."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with self.resident():
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
+def _peak_gib() -> float | None:
+    """This process's peak allocated GPU memory since the last reset (None on CPU)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def ensure_process_group() -> bool:
@@ -131,6 +149,41 @@ class FSDPTrainer(RLTrainerCore):
         self.reference = self._frozen(model_dir) if objectives.needs_reference(algorithm) else None
         self.teacher = self._frozen(teacher_dir) if algorithm.effective_opd_coef > 0 else None
         self.step = 0
+        self.host_offload = HostOffload(self.device)
+
+    # ---- time-sharing (placement.time_sharing) ------------------------------------------------
+    def _device_tensors(self):
+        for _, model, optimizer, _ in self._modules():
+            yield from module_tensors(model, optimizer)
+        yield from module_tensors(self.reference)
+        yield from module_tensors(self.teacher)
+
+    def offload(self) -> dict[str, float]:
+        """Parameters, gradients and optimizer states (reference and teacher too) leave the
+        device until onload: the engines get its memory while they generate."""
+        peak = _peak_gib()  # the update's peak, before the offload frees it
+        moved = self.host_offload.offload(self._device_tensors())
+        return {"time/offload_seconds": moved["seconds"], "time_sharing/offloaded_gib": moved["bytes"] / 2**30,
+                **({"memory/train_peak_gib": peak} if peak is not None else {})}
+
+    def onload(self) -> dict[str, float]:
+        """Everything offload moved is back on the device, bit for bit."""
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        moved = self.host_offload.onload()
+        return {"time/onload_seconds": moved["seconds"]}
+
+    @contextlib.contextmanager
+    def resident(self):
+        """For the calls that read the state outside an update (checkpoints, exports): on the
+        device for the call, back off it after when it was offloaded."""
+        was_offloaded = self.host_offload.is_offloaded
+        self.host_offload.onload()
+        try:
+            yield
+        finally:
+            if was_offloaded:
+                self.host_offload.offload(self._device_tensors())
 
     def _load(self, model_class, model_dir: str, **kwargs) -> torch.nn.Module:
         return model_class.from_pretrained(model_dir, dtype=torch.float32, **kwargs).to(self.device)
@@ -186,6 +239,7 @@ class FSDPTrainer(RLTrainerCore):
         """On every rank (the reference refresh needs them everywhere)."""
         return state_io.full_weights(self.model, to_cpu=False)
 
+    @_resident
     def hf_state_dict(self, to_cpu: bool | None = None) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights under Hugging Face names (tied head dropped); on the GPU
         unless to_cpu (default: only when training on CPU). A collective: with to_cpu only
@@ -193,6 +247,7 @@ class FSDPTrainer(RLTrainerCore):
         to_cpu = not torch.cuda.is_available() if to_cpu is None else to_cpu
         return state_io.full_weights(self.model, drop_tied_head=self.tied, to_cpu=to_cpu)
 
+    @_resident
     def weights_sha256(self) -> str:
         return weights_sha256(self.hf_state_dict(to_cpu=True))
 
@@ -204,6 +259,7 @@ class FSDPTrainer(RLTrainerCore):
         return {name: (p.to_local() if isinstance(p, DTensor) else p).detach()
                 for name, p in self.model.named_parameters()}
 
+    @_resident
     def export_hf(self, out_dir: str | Path) -> Path:
         """Save a standalone HF directory (config, safetensors weights, tokenizer)."""
         out_dir = Path(out_dir)
@@ -227,6 +283,7 @@ class FSDPTrainer(RLTrainerCore):
         if self.critic is not None:
             yield "critic", self.critic, self.critic_optimizer, self.critic_scheduler
 
+    @_resident
     def save_state(self, out_dir: str | Path, extra: dict[str, Any]) -> None:
         """Policy (+critic) weights, optimizers, schedulers, reference and RNG in out_dir. Every
         rank takes part in gathering the shards; rank 0 writes (the ranks' replicas agree)."""
@@ -245,6 +302,7 @@ class FSDPTrainer(RLTrainerCore):
         meta["trainer_step"] = self.step
         (out_dir / "trainer_state.json").write_text(json.dumps({**meta, **extra}, indent=1))
 
+    @_resident
     def load_state(self, ckpt_dir: str | Path) -> dict[str, Any]:
         """Restore everything save_state wrote; returns the `extra` dict given at save time."""
         ckpt_dir = Path(ckpt_dir)
@@ -258,3 +316,8 @@ class FSDPTrainer(RLTrainerCore):
         state_io.set_rng_state(load_file(str(ckpt_dir / "rng.safetensors")), meta.pop("python_rng"))
         self.step = int(meta.pop("trainer_step"))
         return meta
+
+
+# The weight pushes a restarted engine triggers mid-rollout (trainer offloaded) read the state too.
+for _name in ("share_weights", "write_shared_weights", "broadcast_weights", "send_weights_over_cuda_ipc"):
+    setattr(FSDPTrainer, _name, _resident(getattr(RLTrainerCore, _name)))

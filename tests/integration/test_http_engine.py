@@ -279,8 +279,25 @@ def test_weight_version_and_memory_calls(client):
     assert client.update_weight_version("11")["new_version"] == "11"
     assert client.weight_version() == "11"
     assert client.generate([5], SAMPLED)[0]["meta_info"]["weight_version"] == "11"
-    client.release_memory(["kv_cache", "weights"])
-    client.resume_memory(["kv_cache", "weights"])
+
+
+
+def test_release_frees_weights_and_kv_cache_until_resume_and_an_update(client, server, tiny_model_dir):
+    """placement.time_sharing's engine side, SGLang's semantics: released weights are gone (the
+    storage freed, generation refused), resumed ones are empty until a weight update fills them."""
+    before = client.generate([5, 6], GREEDY)[0]["output_ids"]
+    client.release_memory(["weights", "kv_cache"])
+    assert all(p.untyped_storage().nbytes() == 0 for p in server.engine.model.parameters())
+    with pytest.raises(EngineError, match="weights released by /release_memory_occupation"):
+        client.generate([5, 6], GREEDY)
+    client.resume_memory(["weights"])
+    assert all(p.untyped_storage().nbytes() > 0 for p in server.engine.model.parameters())
+    with pytest.raises(EngineError, match="weights resumed without their contents: load a weight version"):
+        client.generate([5, 6], GREEDY)
+    client.update_weights_from_disk(str(tiny_model_dir), weight_version="12")
+    client.resume_memory(["kv_cache"])
+    out = client.generate([5, 6], GREEDY)[0]
+    assert out["output_ids"] == before and out["meta_info"]["weight_version"] == "12"
 
 
 def test_sglang_memory_flags_bound_the_embedded_engine(tiny_model_dir, monkeypatch):
