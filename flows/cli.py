@@ -8,6 +8,7 @@ import secrets
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 import yaml
@@ -18,6 +19,9 @@ from infra.stack import RAY_LOOPBACK_ONLY
 from miles_core.config import ConfigError, RunConfig, field_docs, load_config
 from miles_core.config.schema import choose_transport
 from miles_core.placement import describe, strategy
+
+if TYPE_CHECKING:
+    from miles_core.summary import RunSummary
 
 app = typer.Typer(help="RL post-training as durable Prefect flows.", no_args_is_help=True,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -198,7 +202,9 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
             _exit_on_sigterm(signum, None)
         console.print(f"[red]run failed: {type(exc).__name__}: {exc}[/red]", soft_wrap=True)
         raise typer.Exit(1) from None
-    print_summary(summary)
+    from miles_core.summary import RunSummary
+
+    print_summary(RunSummary.model_validate(summary))
 
 
 def _refuse_secret_overrides(overrides: list[str]) -> None:
@@ -261,23 +267,23 @@ def _termination_signal_in(exc: BaseException) -> int | None:
     return None
 
 
-def print_summary(summary: dict) -> None:
-    table = Table("what", "where / value", title=f"run {summary['run_key']}: {summary['status']}")
+def print_summary(summary: RunSummary) -> None:
+    table = Table("what", "where / value", title=f"run {summary.run_key}: {summary.status}")
     table.columns[1].overflow = "fold"
-    table.add_row("held-out pass@1", f"{summary['eval']['before']:.3f} -> {summary['eval']['after']:.3f}")
-    warmup = summary.get("warmup") or {}
-    if warmup.get("probe_pass_at_1") is not None:
-        table.add_row("SFT warm-up", f"{warmup['sft_steps']} steps, probe pass@1 {warmup['probe_pass_at_1']:.3f}")
-    table.add_row("RL steps", f"{summary['steps']} (resumed from {summary['resumed_from_step']})")
-    table.add_row("summary", str(Path(summary["run_dir"]) / "summary.json"))
-    table.add_row("checkpoint", summary["checkpoint_uri"])
-    table.add_row("HF export", summary["hf_export_uri"])
-    table.add_row("MLflow", f"{summary['mlflow']['tracking_uri']} (run {summary['mlflow']['run_id']})")
-    promotion = summary.get("promotion", {})
+    table.add_row("held-out pass@1", f"{summary.eval.before:.3f} -> {summary.eval.after:.3f}")
+    warmup = summary.warmup
+    if warmup.probe_pass_at_1 is not None:
+        table.add_row("SFT warm-up", f"{warmup.sft_steps} steps, probe pass@1 {warmup.probe_pass_at_1:.3f}")
+    table.add_row("RL steps", f"{summary.steps} (resumed from {summary.resumed_from_step})")
+    table.add_row("summary", str(Path(summary.run_dir) / "summary.json"))
+    table.add_row("checkpoint", summary.checkpoint_uri)
+    table.add_row("HF export", summary.hf_export_uri)
+    table.add_row("MLflow", f"{summary.mlflow.tracking_uri} (run {summary.mlflow.run_id})")
+    promotion = summary.promotion
     alias = "@champion" if promotion.get("promoted") else "@candidate"
-    table.add_row("registry", f"models:/{summary['mlflow']['model_name']}/{summary['model_version']} ({alias}; "
+    table.add_row("registry", f"models:/{summary.mlflow.model_name}/{summary.model_version} ({alias}; "
                               f"{promotion.get('reason', 'no gate')})")
-    table.add_row("stage seconds", json.dumps(summary["timings"]))
+    table.add_row("stage seconds", json.dumps(summary.timings))
     console.print(table)
 
 
@@ -288,13 +294,17 @@ def show(run_dir: Path = typer.Argument(..., help="a run directory containing su
     if not path.is_file():
         console.print(f"[red]{path} not found: the run has not finished (or the path is wrong)[/red]")
         raise typer.Exit(1)
+    from pydantic import ValidationError
+
+    from miles_core.summary import RunSummary
+
     try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-        print_summary(summary)
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        summary = RunSummary.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
         console.print(f"[red]{path} is not a complete run summary ({type(exc).__name__}: {exc}); the run may have "
                       "been stopped while writing it: rerun with `miles run ... --resume <run_key>`[/red]")
         raise typer.Exit(1) from None
+    print_summary(summary)
 
 
 def main() -> None:

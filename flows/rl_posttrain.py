@@ -12,11 +12,12 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import deployment, flow_run
 
 from miles_core import checkpoint as ckpt
-from miles_core import ray_jobs, redaction, reports, storage, tracking
+from miles_core import ray_jobs, reports, storage, tracking
 from miles_core.artifacts import ModelArtifact
 from miles_core.config import Override, RunConfig, load_config
 from miles_core.driver import TrainSpec
 from miles_core.preflight import preflight
+from miles_core.summary import SUMMARY_FILE, HeldOutScores, MlflowRef, RunSummary, WarmupRecord
 from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, prepare_teacher, sft_warmup
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate
@@ -162,24 +163,20 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Overri
                                   "train_data": data.train_path, "eval_data": data.eval_path}, step=result.steps)
     with timer("promote"):
         promotion = _promote(cfg, uri, str(version))
-    summary = {
-        "run_key": run_key, "status": "completed", "run_dir": str(run_path),
-        "eval": {"before": before["heldout"]["pass@1"], "after": after["heldout"]["pass@1"],
-                 "num_prompts": after["heldout"].get("num_prompts")},
-        "eval_details": {"before": reports.summary_metrics(before), "after": reports.summary_metrics(after)},
-        "warmup": warmed.model_dump(include={"sft_steps", "probe_pass_at_1", "reached_target"}),
-        "teacher_dir": teacher and teacher.model_dir,
-        "promotion": promotion,
-        "steps": result.steps, "resumed_from_step": result.resumed_from_step,
-        "checkpoint_uri": uploaded.checkpoint_uri, "hf_export_uri": uploaded.hf_export_uri,
-        "hf_export_dir": result.hf_export_dir, "model_version": version, "data": data.model_dump(),
-        "mlflow": {"tracking_uri": uri, "run_id": mlflow_run, "model_name": cfg.tracking.registered_model_name},
-        "reward_curve": reward_curve, "periodic_eval": periodic,
-        "timings": timer.seconds,
-    }
-    # Its URIs come from the config (store, tracking, data): credentials in them stay out of the
-    # file, the printed summary and the flow's result.
-    summary = redaction.redact(summary, by_name=False)
-    (run_path / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary = RunSummary(
+        run_key=run_key, status="completed", run_dir=str(run_path),
+        eval=HeldOutScores(before=before["heldout"]["pass@1"], after=after["heldout"]["pass@1"],
+                           num_prompts=after["heldout"].get("num_prompts")),
+        eval_details={"before": reports.summary_metrics(before), "after": reports.summary_metrics(after)},
+        warmup=WarmupRecord(sft_steps=warmed.sft_steps, probe_pass_at_1=warmed.probe_pass_at_1,
+                            reached_target=warmed.reached_target),
+        teacher_dir=teacher and teacher.model_dir, promotion=promotion,
+        steps=result.steps, resumed_from_step=result.resumed_from_step,
+        checkpoint_uri=uploaded.checkpoint_uri, hf_export_uri=uploaded.hf_export_uri,
+        hf_export_dir=result.hf_export_dir, model_version=str(version), data=data,
+        mlflow=MlflowRef(tracking_uri=uri, run_id=mlflow_run, model_name=cfg.tracking.registered_model_name),
+        reward_curve=reward_curve, periodic_eval=periodic, timings=timer.seconds,
+    ).redacted()
+    (run_path / SUMMARY_FILE).write_text(summary.model_dump_json(indent=1))
     tracking.finish(uri, mlflow_run, "FINISHED")
-    return summary
+    return summary.model_dump(mode="json")
