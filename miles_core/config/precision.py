@@ -44,6 +44,8 @@ def _engine_agrees(cfg: RunConfig) -> None:
         raise ValueError(f"rollout.precision=fp8 sends block-FP8 weights (weight + weight_scale_inv), which SGLang "
                          f"loads only into fp8 linears: set rollout.engine.server_args.quantization=fp8 "
                          f"(it is {quantization!r})")
+    if r.precision == "fp8":
+        _fp8_weights_can_travel(cfg)
     if r.precision == "bf16" and quantization in FP8_SERVER_QUANTIZATIONS:
         raise ValueError(f"rollout.engine.server_args.quantization={quantization} makes the engine generate in FP8 "
                          "while rollout.precision=bf16 says its samples are on-policy: set rollout.precision=fp8 "
@@ -61,3 +63,15 @@ def _fp8_training_fits(cfg: RunConfig) -> None:
     if t.gpus_per_trainer <= 0:
         raise ValueError("training.fp8 needs FP8 matmuls, which only GPUs (Hopper or newer) have: set "
                          "training.gpus_per_trainer >= 1 or training.fp8=false")
+
+
+def _fp8_weights_can_travel(cfg: RunConfig) -> None:
+    """Only the broadcast quantizes (miles_core.weights.broadcast_to_engines): a disk sync writes a
+    bf16 checkpoint and the CUDA IPC buckets hold one dtype, which block-FP8 engines cannot load."""
+    transport = cfg.rollout.weight_transport.kind
+    if transport != "broadcast":
+        raise ValueError(f"rollout.precision=fp8 sends block-FP8 weights over the broadcast transport only (not "
+                         f"{transport}, which carries bf16): set rollout.weight_transport=broadcast")
+    if cfg.eval.mode == "local_engine" and cfg.eval.interval_steps and cfg.eval.periodic_engines == "dedicated":
+        raise ValueError("rollout.precision=fp8: dedicated eval engines load weights from a bf16 disk sync, which "
+                         "block-FP8 engines cannot take: set eval.periodic_engines=rollout")

@@ -48,3 +48,16 @@ def test_training_fp8_is_fsdp2_on_gpus_only():
     with pytest.raises(ConfigError, match="only GPUs"):
         build_config({}, ["training.fp8=true"])
     assert build_config({}, ["training.fp8=true", "training.gpus_per_trainer=1"]).training.fp8
+
+
+@pytest.mark.parametrize("transport", ["disk", "cuda_ipc"])
+def test_fp8_weights_travel_by_broadcast_only(transport):
+    extra = (["training.gpus_per_trainer=0.5", "rollout.gpus_per_engine=0.5", "placement.layout=colocated"]
+             if transport == "cuda_ipc" else [])
+    with pytest.raises(ConfigError, match="set rollout.weight_transport=broadcast"):
+        build_config({"rollout": {**SGLANG, "weight_transport": transport}}, [*TIS, *extra])
+
+
+def test_fp8_refuses_dedicated_eval_engines():
+    with pytest.raises(ConfigError, match="eval.periodic_engines=rollout"):
+        build_config({"rollout": SGLANG}, [*TIS, "eval.interval_steps=5", "eval.periodic_engines=dedicated"])
