@@ -126,10 +126,11 @@ def fp8_quantization_config(block: tuple[int, int] = BLOCK) -> dict[str, Any]:
 
 
 def quantize_named_tensors(named: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] = BLOCK,
-                           dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+                           dtype: torch.dtype | None = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
     """An HF state dict's (name, tensor) pairs -> the pairs an engine serving the block-FP8
     layout loads: each linear projection weight becomes `<name>` (float8_e4m3fn) followed by
-    `<prefix>.weight_scale_inv` (float32); every other tensor passes through in `dtype`.
+    `<prefix>.weight_scale_inv` (float32); every other tensor passes through in `dtype` (as it
+    is with dtype=None).
 
     A generator, so a bucketed weight sync quantizes one bucket at a time."""
     for name, tensor in named:
@@ -138,7 +139,7 @@ def quantize_named_tensors(named: Iterable[tuple[str, torch.Tensor]], block: tup
             yield name, q
             yield name[: -len("weight")] + "weight_scale_inv", scale_inv
         else:
-            yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+            yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 def emulated_fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,

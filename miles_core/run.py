@@ -32,6 +32,17 @@ def _noop(*_: Any) -> None:
     pass
 
 
+def _engine_model_dir(cfg: RunConfig, model_dir: str, run_dir: Path) -> str:
+    """The directory the rollout engines start from: model_dir, or with rollout.precision=fp8 a
+    block-FP8 copy of it in the run directory (SGLang builds FP8 parameters only for a checkpoint
+    that declares them; see miles_core.fp8_checkpoint)."""
+    if cfg.rollout.precision != "fp8":
+        return model_dir
+    from miles_core.fp8_checkpoint import write_fp8_checkpoint
+
+    return str(write_fp8_checkpoint(model_dir, run_dir / "engine_fp8_model"))
+
+
 @dataclass
 class RunHooks:
     """Where a run reports: metrics per step, each durable checkpoint, each finished step."""
@@ -113,7 +124,7 @@ class TrainingRun:
         trainer = engines = None
         try:
             trainer = start_trainer(cfg, layout, model_dir, teacher_dir, megatron_dir)
-            engines = EngineGroup(cfg, model_dir, scheduling=layout.engine)
+            engines = EngineGroup(cfg, _engine_model_dir(cfg, model_dir, run_dir), scheduling=layout.engine)
             ray.get(trainer.__ray_ready__.remote())
             transport = make_transport(cfg.rollout.weight_transport, run_dir / "weight_sync",
                                        cfg.rollout.verify_weight_sync, ranks_per_engine=engines.tp_size,

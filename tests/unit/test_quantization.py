@@ -150,3 +150,42 @@ def test_emulated_fp8_linear_tracks_the_bf16_reference():
     reference = x @ w.T
     assert torch.equal(y, x @ dequantize_block_fp8(q, scale_inv).T)
     assert (y - reference).norm() / reference.norm() < 0.05
+
+
+def test_fp8_engine_checkpoint_from_the_tiny_model(tiny_model_dir, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from miles_core.fp8_checkpoint import write_fp8_checkpoint
+
+    out = write_fp8_checkpoint(tiny_model_dir, tmp_path / "fp8")
+    config = json.loads((out / "config.json").read_text())
+    # Fp8Config.from_config: quant_method containing "fp8" -> is_checkpoint_fp8_serialized; block size set
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    before = {}
+    for shard in tiny_model_dir.glob("*.safetensors"):
+        before.update(load_file(str(shard)))
+    after = {}
+    for shard in out.glob("*.safetensors"):
+        after.update(load_file(str(shard)))
+    q_name = "model.layers.0.self_attn.q_proj.weight"
+    assert after[q_name].dtype == torch.float8_e4m3fn
+    scale = after["model.layers.0.self_attn.q_proj.weight_scale_inv"]
+    assert torch.allclose(dequantize_block_fp8(after[q_name], scale), before[q_name].float(), rtol=1 / 16, atol=1e-3)
+    assert after["model.embed_tokens.weight"].dtype == before["model.embed_tokens.weight"].dtype  # kept as is
+    assert set(after) - set(before) == {n[:-len("weight")] + "weight_scale_inv" for n in before if is_quantized_weight(n)}
+    assert (out / "tokenizer_config.json").exists() and not (tmp_path / "fp8.partial").exists()
+
+
+def test_fp8_rollout_engines_start_from_the_converted_copy(tiny_model_dir, tmp_path):
+    from miles_core.config import build_config
+    from miles_core.run import _engine_model_dir
+
+    assert _engine_model_dir(build_config({}), str(tiny_model_dir), tmp_path) == str(tiny_model_dir)
+    cfg = build_config({"rollout": {"engine": {"kind": "sglang", "server_args": {"quantization": "fp8"}},
+                                    "gpus_per_engine": 1, "weight_transport": "broadcast", "precision": "fp8"}},
+                       ["algorithm.correction.kind=tis"])
+    engine_dir = _engine_model_dir(cfg, str(tiny_model_dir), tmp_path)
+    assert engine_dir == str(tmp_path / "engine_fp8_model")
+    assert "quantization_config" in (tmp_path / "engine_fp8_model" / "config.json").read_text()
