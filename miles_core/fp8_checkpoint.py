@@ -28,6 +28,26 @@ def _convert_shard(src: Path, dst: Path) -> list[str]:
     return list(tensors)
 
 
+def block_shape_problems(hf_config: dict, tp: int, block: int = 128) -> list[str]:
+    """What SGLang's Fp8LinearMethod.validate_block_quant_shapes would refuse at start-up for this
+    model at tensor parallel size tp: each shard of a fused projection (q, k, v of qkv_proj; gate,
+    up of gate_up_proj) and of a column-parallel one must hold whole 128-row blocks, and a
+    row-parallel projection (o_proj, down_proj) split over tp > 1 whole 128-column blocks."""
+    h = hf_config["hidden_size"]
+    heads, kv_heads = hf_config["num_attention_heads"], hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])
+    head_dim = hf_config.get("head_dim") or h // heads
+    mlp = hf_config.get("moe_intermediate_size") if hf_config.get("num_experts") else hf_config["intermediate_size"]
+    outputs = {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim, "v_proj": kv_heads * head_dim,
+               "gate_proj": mlp, "up_proj": mlp}
+    problems = [f"{name} rows per tp rank {size // tp} (of {size}) are not a multiple of {block}"
+                for name, size in outputs.items() if (size // tp) % block or size % tp]
+    if tp > 1:
+        inputs = {"o_proj": heads * head_dim, "down_proj": mlp}
+        problems += [f"{name} columns per tp rank {size // tp} (of {size}) are not a multiple of {block}"
+                     for name, size in inputs.items() if (size // tp) % block or size % tp]
+    return problems
+
+
 def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path) -> Path:
     """Copies the HF directory src_dir to dst_dir with its decoder layers' linear weights in
     block FP8 (miles_core.quantization) and `quantization_config` added to config.json.

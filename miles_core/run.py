@@ -38,8 +38,16 @@ def _engine_model_dir(cfg: RunConfig, model_dir: str, run_dir: Path) -> str:
     that declares them; see miles_core.fp8_checkpoint)."""
     if cfg.rollout.precision != "fp8":
         return model_dir
-    from miles_core.fp8_checkpoint import write_fp8_checkpoint
+    import json
 
+    from miles_core.fp8_checkpoint import block_shape_problems, write_fp8_checkpoint
+    from miles_core.rollout.engine_group import engine_tp_size
+
+    tp = engine_tp_size(cfg.rollout.engine, cfg.rollout.gpus_per_engine)
+    problems = block_shape_problems(json.loads((Path(model_dir) / "config.json").read_text()), tp)
+    if problems:  # SGLang would fail at start-up, after minutes of loading: say why now
+        raise ValueError(f"rollout.precision=fp8 quantizes in 128x128 blocks, which this model at tp={tp} does not "
+                         f"fit: {'; '.join(problems)}. Use rollout.precision=bf16 (or a smaller tp)")
     return str(write_fp8_checkpoint(model_dir, run_dir / "engine_fp8_model"))
 
 

@@ -178,14 +178,35 @@ def test_fp8_engine_checkpoint_from_the_tiny_model(tiny_model_dir, tmp_path):
     assert (out / "tokenizer_config.json").exists() and not (tmp_path / "fp8.partial").exists()
 
 
-def test_fp8_rollout_engines_start_from_the_converted_copy(tiny_model_dir, tmp_path):
-    from miles_core.config import build_config
-    from miles_core.run import _engine_model_dir
+def test_sglang_block_shape_rules():
+    from miles_core.fp8_checkpoint import block_shape_problems
+    from miles_core.memory import KNOWN_HF_CONFIGS
 
-    assert _engine_model_dir(build_config({}), str(tiny_model_dir), tmp_path) == str(tiny_model_dir)
+    qwen3_4b = KNOWN_HF_CONFIGS["Qwen/Qwen3-4B"]  # q 4096, k/v 1024, MLP 9728 = 76 * 128
+    assert block_shape_problems(qwen3_4b, 1) == [] and block_shape_problems(qwen3_4b, 4) == []  # 2432 = 19 * 128
+    # tp=8: MLP 1216 rows (and down_proj columns) per rank = 9.5 blocks; tp=16: k/v 64 rows per rank
+    assert [p.split()[0] for p in block_shape_problems(qwen3_4b, 8)] == ["gate_proj", "up_proj", "down_proj"]
+    assert any(p.startswith("k_proj rows per tp rank 64") for p in block_shape_problems(qwen3_4b, 16))
+    tiny = {"hidden_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256}
+    assert [p.split()[0] for p in block_shape_problems(tiny, 1)] == ["q_proj", "k_proj", "v_proj"]
+    moe = {**KNOWN_HF_CONFIGS["Qwen/Qwen3-30B-A3B"]}  # experts 768 wide = 6 * 128
+    assert block_shape_problems(moe, 2) == [] and block_shape_problems(moe, 4)  # 192 per rank
+
+
+def test_fp8_rollout_engines_start_from_the_converted_copy(tmp_path):
+    from miles_core.config import TinyModelConfig, build_config
+    from miles_core.run import _engine_model_dir
+    from miles_core.tiny import build_tiny_model
+
+    # 4 heads of 32 and 4 kv heads: q, k, v 128 rows each, MLP 256: whole 128-row blocks
+    model_dir = build_tiny_model(TinyModelConfig(hidden_size=128, num_key_value_heads=4), tmp_path / "model")
+    assert _engine_model_dir(build_config({}), str(model_dir), tmp_path) == str(model_dir)
+    tiny_model_dir = model_dir
     cfg = build_config({"rollout": {"engine": {"kind": "sglang", "server_args": {"quantization": "fp8"}},
                                     "gpus_per_engine": 1, "weight_transport": "broadcast", "precision": "fp8"}},
                        ["algorithm.correction.kind=tis"])
     engine_dir = _engine_model_dir(cfg, str(tiny_model_dir), tmp_path)
     assert engine_dir == str(tmp_path / "engine_fp8_model")
     assert "quantization_config" in (tmp_path / "engine_fp8_model" / "config.json").read_text()
+    with pytest.raises(ValueError, match="does not fit: q_proj rows per tp rank 96"):
+        _engine_model_dir(cfg, str(build_tiny_model(TinyModelConfig(), tmp_path / "small")), tmp_path)
