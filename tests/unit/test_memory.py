@@ -109,7 +109,7 @@ def test_plan_rows_show_each_sides_precision_and_the_fp8_saving():
 
     cfg = load_config(REPO / "configs/qwen3-4b-grpo-dapo.yaml",
                       ["rollout.precision=fp8", "rollout.engine.server_args.quantization=fp8",
-                       "algorithm.correction.kind=tis"])
+                       "algorithm.correction.kind=tis", "rollout.weight_transport=broadcast"])
     rows = dict(precision_rows(cfg))
     assert rows["precision"].startswith("rollout fp8; training bf16 autocast")
     dims = model_dims(cfg.model)
