@@ -106,6 +106,8 @@ def _load(config: Path, overrides: list[str], check_inputs: bool = True) -> RunC
 
 
 def layout_rows(cfg: RunConfig) -> list[tuple[str, str]]:
+    from miles_core.memory import precision_rows  # as in `plan`: only these rows need it
+
     gpu = lambda n: f", {n:g} GPU" if n else ""  # noqa: E731
     ray_target = cfg.placement.ray_address or "local Ray (started in-process)"
     return [
@@ -121,6 +123,7 @@ def layout_rows(cfg: RunConfig) -> list[tuple[str, str]]:
         ("loop", f"{cfg.rollout.loop.kind}, weights by {transport_text(cfg)}"),
         ("placement", f"{cfg.placement.layout}: {strategy(cfg)} placement group"),
         *describe(cfg),
+        *precision_rows(cfg),
     ]
 
 

@@ -18,6 +18,11 @@ Megatron keeps them whole on every data-parallel rank):
   only each layer's input h is kept, plus one layer's full set while it is recomputed. The
   logits of the micro-batch (V_pad / tp per token) are kept once and their gradient once.
 
+The rollout engines' weights (`engine_weight_bytes`) are counted apart, in the HF layout of one
+engine before tensor parallelism: 2 B per parameter in bf16; with rollout.precision=fp8 each
+decoder layer's linear projections take 1 B per element plus a float32 scale per 128x128 block
+(miles_core/quantization.py), the rest (embeddings, norms, router, lm_head) stays 2 B.
+
 Not counted: CUDA context and allocator fragmentation (a few GiB), FSDP2's gathered copy of
 the layer being computed, the eager path's fp32
 logits chunk (256 MB), communication buffers, and the rollout engines (SGLang sizes its own
@@ -212,6 +217,49 @@ def estimate_for_config(cfg: RunConfig) -> MemoryEstimate | None:
     element_bytes = 2 if cfg.training.gpus_per_trainer > 0 else 4
     return estimate(dims, trainer_layout(cfg), cfg.training.micro_batch_size, seq_tokens, element_bytes,
                     trainable_models=1 + int(a.uses_critic), frozen_models=frozen)
+
+
+def projection_shapes(d: ModelDims) -> list[tuple[int, int]]:
+    """[out, in] of every decoder-layer linear projection (attention q, k, v, o; dense MLP or each
+    expert's gate, up, down): the matrices rollout.precision=fp8 quantizes."""
+    q_out, kv_out = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    h = d.hidden_size
+    attn = [(q_out, h), (kv_out, h), (kv_out, h), (h, q_out)]
+    if d.num_experts:
+        mlp = d.num_experts * [(d.moe_intermediate_size, h), (d.moe_intermediate_size, h), (h, d.moe_intermediate_size)]
+    else:
+        mlp = [(d.intermediate_size, h), (d.intermediate_size, h), (h, d.intermediate_size)]
+    return d.num_layers * (attn + mlp)
+
+
+def engine_weight_bytes(d: ModelDims, precision: str) -> int:
+    """Bytes of one engine's weights (whole model, before tp) at rollout.precision."""
+    from miles_core.quantization import weight_bytes
+
+    total, _ = parameter_counts(d, Layout())
+    if precision == "bf16":
+        return 2 * total
+    shapes = projection_shapes(d)
+    quantized = sum(r * c for r, c in shapes)
+    return weight_bytes(quantized, total - quantized, shapes)
+
+
+def precision_rows(cfg: RunConfig) -> list[tuple[str, str]]:
+    """What each side computes in, and what FP8 saves in each engine's weights, for `miles plan`."""
+    t = cfg.training
+    if t.fp8:
+        trainer = "fp8 matmuls (torchao float8 linears), fp32 master weights"
+    elif t.gpus_per_trainer <= 0:
+        trainer = "float32 (CPU)"
+    else:
+        trainer = f"{t.fsdp.compute_dtype if t.backend == 'fsdp2' else 'bf16 autocast'}, fp32 master weights"
+    rows = [("precision", f"rollout {cfg.rollout.precision}; training {trainer}")]
+    dims = model_dims(cfg.model)
+    if dims is not None:
+        bf16, mine = engine_weight_bytes(dims, "bf16"), engine_weight_bytes(dims, cfg.rollout.precision)
+        saved = f", {_size(bf16 - mine)} less than bf16" if mine < bf16 else ""
+        rows.append(("engine weights", f"{_size(mine)} per engine ({cfg.rollout.precision}{saved}; before tp)"))
+    return rows
 
 
 def _size(n_bytes: int) -> str:

@@ -32,6 +32,25 @@ def _noop(*_: Any) -> None:
     pass
 
 
+def _engine_model_dir(cfg: RunConfig, model_dir: str, run_dir: Path) -> str:
+    """The directory the rollout engines start from: model_dir, or with rollout.precision=fp8 a
+    block-FP8 copy of it in the run directory (SGLang builds FP8 parameters only for a checkpoint
+    that declares them; see miles_core.fp8_checkpoint)."""
+    if cfg.rollout.precision != "fp8":
+        return model_dir
+    import json
+
+    from miles_core.fp8_checkpoint import block_shape_problems, write_fp8_checkpoint
+    from miles_core.rollout.engine_group import engine_tp_size
+
+    tp = engine_tp_size(cfg.rollout.engine, cfg.rollout.gpus_per_engine)
+    problems = block_shape_problems(json.loads((Path(model_dir) / "config.json").read_text()), tp)
+    if problems:  # SGLang would fail at start-up, after minutes of loading: say why now
+        raise ValueError(f"rollout.precision=fp8 quantizes in 128x128 blocks, which this model at tp={tp} does not "
+                         f"fit: {'; '.join(problems)}. Use rollout.precision=bf16 (or a smaller tp)")
+    return str(write_fp8_checkpoint(model_dir, run_dir / "engine_fp8_model"))
+
+
 @dataclass
 class RunHooks:
     """Where a run reports: metrics per step, each durable checkpoint, each finished step."""
@@ -113,11 +132,12 @@ class TrainingRun:
         trainer = engines = None
         try:
             trainer = start_trainer(cfg, layout, model_dir, teacher_dir, megatron_dir)
-            engines = EngineGroup(cfg, model_dir, scheduling=layout.engine)
+            engines = EngineGroup(cfg, _engine_model_dir(cfg, model_dir, run_dir), scheduling=layout.engine)
             ray.get(trainer.__ray_ready__.remote())
             transport = make_transport(cfg.rollout.weight_transport, run_dir / "weight_sync",
                                        cfg.rollout.verify_weight_sync, ranks_per_engine=engines.tp_size,
-                                       api_key=engines.api_key, engine_dtype=cfg.model.dtype)
+                                       api_key=engines.api_key, engine_dtype=cfg.model.dtype,
+                                       precision=cfg.rollout.precision)
             evaluator = PeriodicEvaluator(cfg, model_dir, eval_path, trainer, run_dir, tokenizer)
         except BaseException:  # what did start must not hold its CPUs/GPUs for the retry
             if engines is not None:

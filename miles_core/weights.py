@@ -128,9 +128,9 @@ class BroadcastTransport:
     joins at rank_offset + tp_rank), so engine i's offset is 1 + the ranks of engines before it."""
 
     def __init__(self, bucket_megabytes: int = 512, verify: bool = False, ranks_per_engine: int = 1,
-                 api_key: str | None = None, engine_dtype: str | None = None, **_: Any):
+                 api_key: str | None = None, engine_dtype: str | None = None, precision: str = "bf16", **_: Any):
         self.bucket_bytes, self.verify, self.ranks_per_engine = bucket_megabytes << 20, verify, ranks_per_engine
-        self.api_key, self.engine_dtype = api_key, engine_dtype
+        self.api_key, self.engine_dtype, self.precision = api_key, engine_dtype, precision
         self.members: tuple[Target, ...] = ()
         self.generation = 0
 
@@ -168,7 +168,8 @@ class BroadcastTransport:
         connected = time.perf_counter()
         urls = [url for _, url in targets]
         sent_bytes = ray.get(trainer.broadcast_weights.remote(urls, self._group_name(), str(version),
-                                                             self.bucket_bytes, self.api_key, self.engine_dtype))
+                                                             self.bucket_bytes, self.api_key, self.engine_dtype,
+                                                             self.precision))
         done = time.perf_counter()
         if self.verify:
             _verify(trainer, targets, version)
@@ -201,10 +202,12 @@ def broadcast_rank_layout(num_engines: int, ranks_per_engine: int) -> tuple[list
 
 
 def make_transport(config: TransportConfig, sync_dir: str | Path, verify: bool, ranks_per_engine: int = 1,
-                   api_key: str | None = None, engine_dtype: str = "float32") -> WeightTransport:
+                   api_key: str | None = None, engine_dtype: str = "float32", precision: str = "bf16") -> WeightTransport:
     """The transport that a `rollout.weight_transport` config names; disk syncs write under
     sync_dir, broadcast groups give each engine ranks_per_engine ranks, api_key is the
-    engines' (EngineGroup.api_key), and a shared buffer holds weights in engine_dtype."""
+    engines' (EngineGroup.api_key), and a shared buffer holds weights in engine_dtype.
+    precision=fp8 (rollout.precision): the broadcast sends block-FP8 linears (the only
+    transport that does; config validation refuses the others)."""
     if config.kind == "object_store":
         return ObjectStoreTransport(verify=verify)
     if config.kind == "shared_memory":
@@ -213,7 +216,7 @@ def make_transport(config: TransportConfig, sync_dir: str | Path, verify: bool, 
         return DiskTransport(str(sync_dir), verify=verify, api_key=api_key)
     if config.kind == "broadcast":
         return BroadcastTransport(config.bucket_megabytes, verify=verify, ranks_per_engine=ranks_per_engine,
-                                  api_key=api_key, engine_dtype=engine_dtype)
+                                  api_key=api_key, engine_dtype=engine_dtype, precision=precision)
     if config.kind == "cuda_ipc":
         return CudaIpcTransport(config.bucket_megabytes, api_key=api_key, engine_dtype=engine_dtype)
     raise ValueError(f"unknown weight transport {config.kind!r}")
@@ -235,14 +238,19 @@ def bucket_names(state: dict[str, torch.Tensor], bucket_bytes: int, dtype: torch
 
 def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str], group_name: str,
                          version: str, bucket_bytes: int, api_key: str | None = None,
-                         dtype: torch.dtype | None = None) -> int:
+                         dtype: torch.dtype | None = None, fp8: bool = False) -> int:
     """Sender side (runs in the trainer): per bucket, ask every engine to receive the named
     tensors, then broadcast them in that order, cast to dtype (the engines' own: bf16 engines
     receive half the bytes of fp32 master weights), all in one weight-update session per engine.
     Returns the bytes sent. MoE experts go in the checkpoint layout: SGLang's loaders skip fused
-    expert names without an error."""
+    expert names without an error. fp8: the decoder layers' linear weights go as float8_e4m3fn
+    plus a float32 `weight_scale_inv` each (the block-FP8 engine's parameters), the rest in dtype."""
     state = checkpoint_layout(state)
-    if dtype is not None:
+    if fp8:
+        from miles_core.quantization import quantize_named_tensors
+
+        state = dict(quantize_named_tensors(state.items(), dtype=dtype or torch.bfloat16))
+    elif dtype is not None:
         state = {name: tensor.to(dtype) for name, tensor in state.items()}
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     buckets = bucket_names(state, bucket_bytes)

@@ -6,6 +6,7 @@ fields are rejected so that a typo never silently falls back to a default.
     base.py       Section (the shared pydantic settings) and ConfigError
     schema.py     the sections and RunConfig
     algorithm.py  the `algorithm` section (objectives, clipping, KL, mismatch correction)
+    precision.py  checks that rollout.precision and training.fp8 fit the rest of a recipe
     loading.py    YAML + `--set` overrides -> a validated RunConfig; the field reference
 """
 

@@ -208,6 +208,13 @@ class RolloutConfig(Section):
     """Group size n: responses sampled per prompt (GRPO needs n >= 2)."""
     max_new_tokens: int = Field(8, ge=1)
     """Generation budget per response."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """Weights the engines generate with: `bf16` (the trainer's weights as they are) or `fp8`
+    (each decoder layer's linear projections sent as float8_e4m3fn with one scale per 128x128
+    block, embeddings, norms and lm_head in bf16: about half the engine's weight memory and
+    faster decoding on Hopper GPUs). FP8 samples come from a slightly different policy than the
+    trainer's, so fp8 needs algorithm.correction (tis/icepop/mis) or old_logprob_source=rollout,
+    and SGLang engines must run with server_args.quantization=fp8. Embedded engines: bf16 only."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer scales logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)

@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from miles_core.config.algorithm import GROUP_ALGORITHMS, AlgorithmConfig
 from miles_core.config.base import Section
+from miles_core.config.precision import check_precision
 from miles_core.config.rollout import RolloutConfig
 
 
@@ -220,6 +221,10 @@ class TrainingConfig(Section):
     """Optimizer updates per RL step (mini-batches); >1 makes the ratio differ from 1."""
     num_threads: int = Field(2, ge=1)
     """torch intra-op threads of the trainer and engine processes on CPU."""
+    fp8: bool = False
+    """Train with FP8 matmuls (torchao float8 linears, dynamic per-tensor scaling) in the decoder
+    layers' projections, master weights and optimizer states unchanged. FSDP2 backend on Hopper
+    (or newer) GPUs with torchao installed; refused with megatron, and on CPU at start-up."""
     compile_decoder_layers: bool = False
     """torch.compile each decoder layer of the trained models (GPU only; ignored on CPU): fuses the
     norms, RoPE, SwiGLU and residual adds between the matmuls. The first step pays the compile."""
@@ -478,6 +483,7 @@ class RunConfig(Section):
         self._routing_replay_fits()
         self._teacher_fits()
         self._time_sharing_fits()
+        check_precision(self)
         if self.eval.use_rollout_generate and not self.rollout.generate:
             raise ValueError("eval.use_rollout_generate evaluates with rollout.generate, which is not set: set it "
                              "(package.module:function) or eval.use_rollout_generate=false")

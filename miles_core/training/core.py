@@ -280,16 +280,18 @@ class RLTrainerCore:
                                                              world_size, 0, group_name)
 
     def broadcast_weights(self, urls: list[str], group_name: str, version: str, bucket_bytes: int,
-                          api_key: str | None = None, dtype: str | None = None) -> int:
-        """Send the weights (cast to dtype, the engines' own, when given) to the engines; the bytes
-        sent on rank 0, 0 elsewhere. A collective: every rank takes part in the gather."""
+                          api_key: str | None = None, dtype: str | None = None, precision: str = "bf16") -> int:
+        """Send the weights (cast to dtype, the engines' own, when given; block-FP8 linears with
+        precision=fp8) to the engines; the bytes sent on rank 0, 0 elsewhere. A collective: every
+        rank takes part in the gather."""
         from miles_core.weights import broadcast_to_engines
 
         weights = self.hf_state_dict()
         if _rank() != 0:
             return 0
         return broadcast_to_engines(weights, self.broadcast_group, urls, group_name, version, bucket_bytes,
-                                    api_key, dtype=None if dtype is None else getattr(torch, dtype))
+                                    api_key, dtype=None if dtype is None else getattr(torch, dtype),
+                                    fp8=precision == "fp8")
 
     def send_weights_over_cuda_ipc(self, urls: list[str], version: str, bucket_bytes: int, dtype: str,
                                    api_key: str | None = None) -> int:

@@ -68,10 +68,16 @@ def trainer_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _shard(model: torch.nn.Module, options: FSDPConfig, compile_layers: bool = False) -> torch.nn.Module:
+def _shard(model: torch.nn.Module, options: FSDPConfig, compile_layers: bool = False,
+           fp8: bool = False) -> torch.nn.Module:
     """fully_shard each decoder layer and the root over all data-parallel ranks, computing in
     options.compute_dtype (fp32 master weights and gradient reduction); compile_layers:
-    torch.compile each decoder layer first (GPU only)."""
+    torch.compile each decoder layer first (GPU only); fp8: torchao float8 linears first
+    (training.fp8; refuses on a device without FP8 matmuls)."""
+    if fp8:  # before fully_shard, which must see the Float8Linear modules it shards
+        from miles_core.training.float8 import convert_float8_linears
+
+        convert_float8_linears(model, trainer_device())
     if options.activation_checkpointing:  # non-reentrant: what FSDP2's per-layer hooks support
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compile_layers and torch.cuda.is_available():
@@ -134,7 +140,7 @@ class FSDPTrainer(RLTrainerCore):
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = _shard(self._load(AutoModelForCausalLM, model_dir), training.fsdp,
-                            training.compile_decoder_layers).train()
+                            training.compile_decoder_layers, training.fp8).train()
         self.tied = bool(self.model.config.tie_word_embeddings)
         self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), training.lr)
         self.critic = self.critic_optimizer = self.critic_scheduler = None

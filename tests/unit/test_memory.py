@@ -92,3 +92,29 @@ def test_builtin_model_estimate_matches_its_shape(layout, tiny_model_dir):
     from_builtin = model_dims(RunConfig().model)
     from_dir = ModelDims.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
     assert parameter_counts(from_builtin, layout) == parameter_counts(from_dir, layout)
+
+
+def test_engine_weight_bytes_fp8_by_hand():
+    from miles_core.memory import engine_weight_bytes
+
+    # DENSE per layer: q 64x64, k 32x64, v 32x64, o 64x64, gate/up 128x64, down 64x128 = 36864 FP8
+    # elements in 7 single-block matrices (7 float32 scales); x2 layers: 73728 B + 14 * 4 B. The other
+    # 80512 - 73728 = 6784 elements (embedding, norms) stay bf16: 13568 B.
+    assert engine_weight_bytes(DENSE, "bf16") == 2 * 80512
+    assert engine_weight_bytes(DENSE, "fp8") == 73728 + 56 + 13568
+
+
+def test_plan_rows_show_each_sides_precision_and_the_fp8_saving():
+    from miles_core.memory import engine_weight_bytes, model_dims, precision_rows
+
+    cfg = load_config(REPO / "configs/qwen3-4b-grpo-dapo.yaml",
+                      ["rollout.precision=fp8", "rollout.engine.server_args.quantization=fp8",
+                       "algorithm.correction.kind=tis", "rollout.weight_transport=broadcast"])
+    rows = dict(precision_rows(cfg))
+    assert rows["precision"].startswith("rollout fp8; training bf16 autocast")
+    dims = model_dims(cfg.model)
+    saved = engine_weight_bytes(dims, "bf16") - engine_weight_bytes(dims, "fp8")
+    assert 3 * GIB < saved < 4 * GIB  # ~3.6 B projection elements at 1 B instead of 2
+    assert f"{saved / GIB:.2f} GiB less than bf16" in rows["engine weights"]
+    bf16_rows = dict(precision_rows(load_config(REPO / "configs/qwen3-4b-grpo-dapo.yaml")))
+    assert "less than" not in bf16_rows["engine weights"]

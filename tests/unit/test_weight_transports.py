@@ -129,3 +129,33 @@ def test_an_engine_maps_a_shared_buffer_once_and_loads_each_write(tiny_model_dir
         finally:
             trainer_side.close()
             wrong.close()
+
+
+def test_fp8_broadcast_announces_and_sends_block_fp8_linears(monkeypatch):
+    """rollout.precision=fp8: SGLang's /update_weights_from_distributed allocates each tensor from
+    the announced dtype and shape, so the announcement must name float8_e4m3fn weights followed by
+    their float32 weight_scale_inv, and the broadcast must send exactly those tensors in that order."""
+    import contextlib
+
+    import torch
+
+    from miles_core.weights import broadcast_to_engines
+
+    announced, sent = [], []
+    monkeypatch.setattr("miles_core.weights.SGLangClient.weight_update_session", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr("miles_core.weights.SGLangClient.update_weights_from_distributed",
+                        lambda self, names, dtypes, shapes, *_: announced.extend(zip(names, dtypes, shapes)) or OK)
+
+    class _Done:
+        def wait(self):
+            return None
+
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda t, **_: sent.append(t) or _Done())
+    state = {"model.embed_tokens.weight": torch.randn(10, 64), "model.layers.0.self_attn.o_proj.weight": torch.randn(64, 200),
+             "model.norm.weight": torch.ones(64)}
+    broadcast_to_engines(state, None, ["http://e0"], "g", "3", bucket_bytes=1 << 20, dtype=torch.bfloat16, fp8=True)
+    assert announced == [("model.embed_tokens.weight", "bfloat16", [10, 64]),
+                         ("model.layers.0.self_attn.o_proj.weight", "float8_e4m3fn", [64, 200]),
+                         ("model.layers.0.self_attn.o_proj.weight_scale_inv", "float32", [1, 2]),
+                         ("model.norm.weight", "bfloat16", [64])]
+    assert [t.dtype for t in sent] == [torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.bfloat16]
