@@ -283,6 +283,13 @@ COMPARED_SETTINGS = ("device", "model", "max_new_tokens", "prompts", "samples", 
                      "skip", "steps", "threads", "sft_steps", "trl_gradient_checkpointing")
 
 
+def library_versions() -> dict:
+    """What the figures were measured on: the GPU and the versions of both sides' libraries."""
+    import trl
+
+    return {**c.gpu_identity(), "trl": trl.__version__}
+
+
 def side_settings(args) -> dict:
     return {**{key: getattr(args, key) for key in COMPARED_SETTINGS}, "micro_batch": micro_batch(args)}
 
@@ -335,7 +342,8 @@ def main(argv=None) -> dict:
         args.save.write_text(json.dumps({"side": args.side, "settings": side_settings(args),
                                          "steps": ours or trl, "summary": summarize(ours or trl)}))
     if args.side != "both" and not args.compare:
-        print(json.dumps(c.rounded({"side": args.side, **side_settings(args), **summarize(ours or trl)})), flush=True)
+        print(json.dumps(c.rounded({"side": args.side, **side_settings(args), **library_versions(),
+                                    **summarize(ours or trl)})), flush=True)
         return {}
     if other_side:
         other, steps = other_side
@@ -357,7 +365,7 @@ def main(argv=None) -> dict:
         "ours_mem_fraction_static": args.mem_fraction_static, "ours_compile_decoder_layers": args.compile_layers,
         "ours_measured": OURS_MODES[args.mode if args.side == "both" else "one_side"], "ours": o, "trl": t,
         "load_average_before": load_before, "load_average_after": c.load_average(),
-        "wall_seconds": time.perf_counter() - started,
+        "wall_seconds": time.perf_counter() - started, **library_versions(),
     }
     print(json.dumps(c.rounded(result)), flush=True)
     return result
