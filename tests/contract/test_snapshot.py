@@ -2,7 +2,7 @@
 
 Every assertion here was checked by hand against the wheel's source; the
 file:line each fact comes from is recorded in the JSON next to it. The
-snapshot is regenerated with tests/contract/snapshot_sglang.py (see README.md).
+snapshot is regenerated with tools/snapshot_sglang.py (see README.md).
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def _cached_wheels_match(snap) -> bool:
 def test_snapshot_is_reproducible(snap, tmp_path):
     if not glob.glob("/tmp/sglang-wheels/sglang-*.whl") or not _cached_wheels_match(snap):
         pytest.skip("cached SGLang wheels not present in /tmp/sglang-wheels")
-    from tests.contract import snapshot_sglang
+    from tools import snapshot_sglang
 
     out = tmp_path / "regen.json"
     snapshot_sglang.main(["--versions", *VERSIONS, "--out", str(out), "--offline"])

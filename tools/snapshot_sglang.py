@@ -7,7 +7,7 @@ all) pure Python source. This script downloads the wheel with
 the ``.py`` members straight out of the zip, parses them with :mod:`ast`
 (sglang is never imported), and writes one deterministic JSON file:
 
-    python tests/contract/snapshot_sglang.py --versions 0.5.16 0.5.17 0.5.23 \
+    python tools/snapshot_sglang.py --versions 0.5.16 0.5.17 0.5.23 \
         --out tests/contract/sglang_contract.json
 
 Per version it records:
@@ -1627,7 +1627,7 @@ def cross_version(snaps: dict[str, dict[str, Any]]) -> dict[str, Any]:
 # option string of `sglang serve` with just what the launcher and the embedded server's
 # parser need, and the sampling_params keys /generate accepts. Derived from the snapshot, so
 # it can be rebuilt without the wheels.
-OPTIONS_FILE = os.path.join(os.path.dirname(__file__), "..", "..", "miles_core", "rollout", "sglang_options.json")
+OPTIONS_FILE = os.path.join(os.path.dirname(__file__), "..", "miles_core", "rollout", "sglang_options.json")
 
 
 def launcher_options(doc: dict[str, Any]) -> dict[str, Any]:
@@ -1657,7 +1657,7 @@ def launcher_options(doc: dict[str, Any]) -> dict[str, Any]:
         sampling = contract["fields"] if contract else snap["sampling_params"]["params"]
         out[version] = {"allow_abbrev": sa["parser"]["allow_abbrev"], "options": dict(sorted(options.items())),
                         "sampling_params": sorted(sampling)}
-    return {"generator": "tests/contract/snapshot_sglang.py --options-out (from sglang_contract.json)",
+    return {"generator": "tools/snapshot_sglang.py --options-out (from sglang_contract.json)",
             "versions": out}
 
 
@@ -1672,7 +1672,7 @@ def write_options(doc: dict[str, Any], path: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--versions", nargs="+", default=["0.5.16", "0.5.17", "0.5.23"])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "sglang_contract.json"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "contract", "sglang_contract.json"))
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE)
     ap.add_argument("--offline", action="store_true", help="only use cached wheels")
     ap.add_argument("--options-out", default=None,
@@ -1691,7 +1691,7 @@ def main(argv: list[str] | None = None) -> int:
         snaps[v] = snapshot_version(v, args.cache_dir, args.offline)
     doc = {
         "schema_version": SCHEMA_VERSION,
-        "generator": "tests/contract/snapshot_sglang.py (static ast parse of the PyPI wheel)",
+        "generator": "tools/snapshot_sglang.py (static ast parse of the PyPI wheel)",
         "python_argparse_semantics": "CPython 3.11 (wheels are cp311)",
         "versions": snaps,
         "cross_version": cross_version(snaps) if len(snaps) > 1 else {},
