@@ -20,6 +20,7 @@ import sys
 import tomllib
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -170,12 +171,21 @@ def dry_run(wheel: Path, constraints: Path, report: Path) -> subprocess.Complete
     return done
 
 
+@pytest.fixture(scope="module")
+def resolutions(project_wheel, tmp_path_factory) -> dict[Path, tuple[subprocess.CompletedProcess, Path]]:
+    """Every cluster profile's dry run, all at once: each waits on the index for most of its
+    minute, so they overlap instead of adding up."""
+    out = tmp_path_factory.mktemp("reports")
+    with ThreadPoolExecutor(max_workers=len(CLUSTER_PROFILES)) as pool:
+        runs = {p: pool.submit(dry_run, project_wheel, p, out / f"{p.stem}.json") for p in CLUSTER_PROFILES}
+        return {p: (run.result(), out / f"{p.stem}.json") for p, run in runs.items()}
+
+
 @pytest.mark.parametrize("profile", CLUSTER_PROFILES, ids=lambda p: p.stem)
-def test_cluster_profile_resolves(profile, project_wheel, tmp_path):
+def test_cluster_profile_resolves(profile, resolutions):
     """`pip install -c constraints/sglang-X.txt ".[sglang,megatron]"` resolves on the image's
     platform: SGLang at X, torch at the version SGLang X pins, and the rest of the stack."""
-    report = tmp_path / "report.json"
-    done = dry_run(project_wheel, profile, report)
+    done, report = resolutions[profile]
     if done.returncode and any(err in done.stderr for err in NETWORK_ERRORS):
         pytest.skip(f"the package index went away during the resolution: {done.stderr[-500:]}")
     assert done.returncode == 0, f"{profile.name} does not resolve:\n{done.stderr[-6000:]}"
