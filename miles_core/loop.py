@@ -21,6 +21,7 @@ from miles_core import algorithms as algo
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, Sample, sft_samples
 from miles_core.rollout.manager import RolloutManager
+from miles_core.rollout.partial import version_metrics
 from miles_core.rollout.router import NoHealthyEngine
 from miles_core.schedules import SCHEDULES, RolloutBatch, timed
 from miles_core.time_sharing import time_sharing
@@ -96,7 +97,7 @@ def rollout_metrics(cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
         "rollout/response_len_mean": statistics.fmean(len(s.response_ids) for s in samples),
         "rollout/truncated_frac": statistics.fmean(s.finish_reason == "length" for s in samples),
         "rollout/zero_std_group_frac": statistics.fmean(len(set(g)) == 1 for g in groups),
-    } | ({"rollout/filtered_sample_frac": statistics.fmean(s.filtered for s in samples)}
+    } | version_metrics(samples) | ({"rollout/filtered_sample_frac": statistics.fmean(s.filtered for s in samples)}
          if cfg.rollout.sample_filter else {})
 
 

@@ -1,0 +1,146 @@
+"""Partial rollouts (issue 42): per-token weight versions, pause + continue, per-token correction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from miles_core import objectives
+from miles_core.config import AlgorithmConfig, RolloutConfig
+from miles_core.data import Prompt, Sample, token_versions
+from miles_core.rollout.manager import RolloutManager
+from miles_core.rollout.partial import append_segment, version_metrics
+from miles_core.training.batches import mixed_version_fraction, pad_batch
+
+PROMPTS = [Prompt(0, "a", "x", [3, 4, 5]), Prompt(1, "b", "y", [6, 7])]
+LENGTHS = {(3, 4, 5): 9, (6, 7): 3}
+"""Scripted long tail: prompt 0's response is 9 tokens long, prompt 1's 3."""
+
+
+def policy(context: list[int], version: int) -> tuple[int, float]:
+    """The stub's model at one weight version: the next token and its log-prob, from the whole
+    context (so a continuation that re-prefills prompt + partial response picks up exactly)."""
+    h = sum((i + 1) * t for i, t in enumerate(context))
+    return 10 + (h * 31 + version * 17) % 50, -0.05 - ((h + 3 * version) % 11) / 10
+
+
+class StubEngines:
+    """Engines with the policy above at `version`; a call stops each sequence after `pause_after`
+    new tokens with finish_reason abort (a pause for a weight update), else at its scripted length
+    (stop) or its budget (length)."""
+
+    num_healthy = 1
+
+    def __init__(self):
+        self.version, self.pause_after, self.calls = 0, None, []
+
+    def generate(self, input_ids, sampling_params, **extra):
+        self.calls.append([list(ids) for ids in input_ids])
+        return [self._one(list(ids), params["max_new_tokens"]) for ids, params in zip(input_ids, sampling_params)]
+
+    def _one(self, ids: list[int], budget: int) -> dict:
+        prompt = next(p for p in LENGTHS if tuple(ids[: len(p)]) == p)
+        new, logprobs, finish = [], [], "length"
+        while len(new) < budget:
+            if len(ids) + len(new) - len(prompt) >= LENGTHS[prompt]:
+                finish = "stop"
+                break
+            if self.pause_after is not None and len(new) >= self.pause_after:
+                finish = "abort"
+                break
+            token, logprob = policy(ids + new, self.version)
+            new.append(token)
+            logprobs.append(logprob)
+        return {"output_ids": new, "text": "".join(chr(65 + t % 26) for t in new),
+                "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, new)],
+                              "finish_reason": {"type": finish}, "weight_version": str(self.version)}}
+
+
+def reference(prompt: list[int], versions: list[int]) -> tuple[list[int], list[float]]:
+    """By hand: token i sampled by the policy at versions[i] from prompt + tokens before it."""
+    ids, logprobs = [], []
+    for version in versions:
+        token, logprob = policy(prompt + ids, version)
+        ids.append(token)
+        logprobs.append(logprob)
+    return ids, logprobs
+
+
+def _manager(engines: StubEngines, max_new_tokens: int = 16) -> RolloutManager:
+    rollout = RolloutConfig(num_samples_per_prompt=1, max_new_tokens=max_new_tokens, num_prompts_per_step=2)
+    return RolloutManager(engines, rollout, "exact_match")
+
+
+def test_a_sample_paused_and_continued_equals_one_generated_with_the_same_per_token_weights():
+    engines = StubEngines()
+    manager = _manager(engines)
+    engines.pause_after = 4
+    samples = manager.generate(PROMPTS, seed=1)
+    assert [s.finish_reason for s in samples] == ["abort", "stop"]
+    engines.version, engines.pause_after = 1, 3  # a weight update, then another pause
+    manager.continue_partial(samples, seed=2)
+    assert engines.calls[-1] == [PROMPTS[0].input_ids + samples[0].response_ids[:4]]  # re-prefill of the partial
+    engines.version, engines.pause_after = 2, None
+    manager.continue_partial(samples, seed=3)
+    long, short = samples
+    ids, logprobs = reference(PROMPTS[0].input_ids, [0] * 4 + [1] * 3 + [2] * 2)
+    assert long.response_ids == ids and long.rollout_logprobs == pytest.approx(logprobs)
+    assert long.token_weight_versions == [0, 0, 0, 0, 1, 1, 1, 2, 2]
+    assert (long.finish_reason, long.weight_version) == ("stop", "2")
+    ids, logprobs = reference(PROMPTS[1].input_ids, [0, 0, 0])
+    assert (short.response_ids, short.rollout_logprobs, short.token_weight_versions) == (ids, logprobs, [0, 0, 0])
+
+
+def test_the_budget_covers_every_segment():
+    engines = StubEngines()
+    manager = _manager(engines, max_new_tokens=6)
+    engines.pause_after = 4
+    samples = manager.generate(PROMPTS[:1], seed=1)
+    engines.version, engines.pause_after = 1, None
+    manager.continue_partial(samples, seed=2)
+    assert len(samples[0].response_ids) == 6 and samples[0].finish_reason == "length"
+    assert samples[0].token_weight_versions == [0, 0, 0, 0, 1, 1]
+
+
+def test_per_token_versions_reach_the_trainer_batch():
+    one = Sample(0, [1, 2], [5, 6, 7], "", rollout_logprobs=[-1.0, -2.0, -3.0], token_weight_versions=[3, 3, 4])
+    plain = Sample(0, [1, 2, 3], [8], "", weight_version="4")  # no per-token list: its weight_version
+    batch = pad_batch([one, plain], pad_id=0)
+    assert batch["token_version"].tolist() == [[-1, 3, 3, 4], [-1, -1, 4, -1]]
+    assert mixed_version_fraction(batch) == 0.5
+    assert token_versions(Sample(0, [1], [2, 3], "", weight_version="default")) == [0, 0]
+
+
+def test_version_metrics_count_tokens_per_version_and_mixed_samples():
+    samples = [Sample(0, [1], [5, 6, 7], "", token_weight_versions=[3, 3, 4]),
+               Sample(0, [1], [8], "", weight_version="4")]
+    assert version_metrics(samples) == {"rollout/mixed_version_sample_frac": 0.5,
+                                        "rollout/tokens_version_3": 2.0, "rollout/tokens_version_4": 2.0}
+
+
+def test_the_correction_uses_each_tokens_behaviour_logprob_across_segments():
+    engines = StubEngines()
+    manager = _manager(engines)
+    engines.pause_after = 2
+    samples = manager.generate(PROMPTS[:1], seed=1)
+    engines.version, engines.pause_after = 1, None
+    manager.continue_partial(samples, seed=2)
+    sample = samples[0]
+    behaviour = [policy(sample.prompt_ids + sample.response_ids[:i], v)[1]
+                 for i, v in enumerate([0, 0] + [1] * 7)]
+    batch = pad_batch(samples, pad_id=0)
+    start = len(sample.prompt_ids) - 1
+    trainer = torch.full_like(batch["rollout_logp"], -0.5)
+    batch["old_logp"] = trainer * batch["mask"]
+    cfg = AlgorithmConfig(correction={"kind": "tis", "low": 0.0, "high": 100.0})
+    weights = objectives.importance_weights(cfg, batch)[0, start : start + 9]
+    assert weights.tolist() == pytest.approx([math.exp(-0.5 - lp) for lp in behaviour], rel=1e-5)
+
+
+def test_a_segment_without_logprobs_cannot_extend_one_with_them():
+    sample = Sample(0, [1], [5], "", rollout_logprobs=[-1.0], finish_reason="abort")
+    out = {"output_ids": [6], "meta_info": {"finish_reason": {"type": "stop"}, "weight_version": "1"}}
+    with pytest.raises(ValueError, match="log-probs of every segment"):
+        append_segment(sample, out)
