@@ -144,3 +144,23 @@ def test_a_segment_without_logprobs_cannot_extend_one_with_them():
     out = {"output_ids": [6], "meta_info": {"finish_reason": {"type": "stop"}, "weight_version": "1"}}
     with pytest.raises(ValueError, match="log-probs of every segment"):
         append_segment(sample, out)
+
+
+# ---- config ----------------------------------------------------------------------------------------
+def test_partial_rollouts_need_the_fully_async_loop_and_a_per_token_correction():
+    from miles_core.config import ConfigError, build_config
+
+    ok = build_config({"rollout": {"loop": "fully_async"}},
+                      ["rollout.partial.enabled=true", "algorithm.correction.kind=mis",
+                       "rollout.partial.max_staleness_versions=3"])
+    assert (ok.rollout.partial.enabled, ok.rollout.partial.max_staleness_versions) == (True, 3)
+    with pytest.raises(ConfigError, match="needs rollout.loop=fully_async .*set rollout.loop.kind=fully_async"):
+        build_config({}, ["rollout.partial.enabled=true", "algorithm.correction.kind=tis"])
+    with pytest.raises(ConfigError, match="set algorithm.correction.kind=tis or mis"):
+        build_config({"rollout": {"loop": "fully_async"}},
+                     ["rollout.partial.enabled=true", "algorithm.correction.kind=icepop"])
+    with pytest.raises(ConfigError, match="set algorithm.correction.kind=tis or mis"):  # the ratio alone: not enough
+        build_config({"rollout": {"loop": "fully_async"}},
+                     ["rollout.partial.enabled=true", "algorithm.old_logprob_source=rollout"])
+    with pytest.raises(ConfigError, match="max_staleness_versions"):
+        build_config({}, ["rollout.partial.max_staleness_versions=-1"])
