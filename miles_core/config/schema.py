@@ -522,10 +522,13 @@ class RunConfig(Section):
                              f"versions: set algorithm.correction.kind=tis or mis (it is {a.correction.kind}), with "
                              "algorithm.old_logprob_source=trainer, so each token is weighed against its own "
                              "behaviour log-prob")
-        if r.generate or r.remote_reward:
-            raise ValueError("rollout.partial.enabled continues the default generation's samples and scores them "
-                             "with a local reward: unset rollout.generate and rollout.remote_reward, or set "
-                             "rollout.partial.enabled=false")
+        unsupported = [name for name, value in (("rollout.generate", r.generate), ("rollout.remote_reward",
+                       r.remote_reward), ("rollout.sample_filter", r.sample_filter), ("rollout.group_filter",
+                       r.group_filter), ("algorithm.dynamic_sampling", a.dynamic_sampling)) if value]
+        if unsupported:
+            raise ValueError("rollout.partial.enabled continues the default generation's samples, scores them with "
+                             "a local reward and trains every finished group: unset "
+                             f"{', '.join(unsupported)}, or set rollout.partial.enabled=false")
 
     def _choose_transport(self) -> None:
         """Resolves `rollout.weight_transport: auto` to the fastest transport the placement allows."""

@@ -162,5 +162,61 @@ def test_partial_rollouts_need_the_fully_async_loop_and_a_per_token_correction()
     with pytest.raises(ConfigError, match="set algorithm.correction.kind=tis or mis"):  # the ratio alone: not enough
         build_config({"rollout": {"loop": "fully_async"}},
                      ["rollout.partial.enabled=true", "algorithm.old_logprob_source=rollout"])
+    with pytest.raises(ConfigError, match="unset algorithm.dynamic_sampling, or set rollout.partial.enabled=false"):
+        build_config({"rollout": {"loop": "fully_async"}},
+                     ["rollout.partial.enabled=true", "algorithm.correction.kind=tis", "algorithm.dynamic_sampling=true"])
     with pytest.raises(ConfigError, match="max_staleness_versions"):
         build_config({}, ["rollout.partial.max_staleness_versions=-1"])
+
+
+# ---- the producer's pool ---------------------------------------------------------------------------
+def _pool(engines: StubEngines, max_staleness: int = 2):
+    from miles_core.rollout.partial_pool import PartialPool
+
+    rollout = RolloutConfig(num_samples_per_prompt=2, max_new_tokens=16, num_prompts_per_step=2)
+    return PartialPool(RolloutManager(engines, rollout, "exact_match"), 2, max_staleness)
+
+
+def test_the_long_tail_group_is_kept_across_an_update_and_trains_once_done():
+    engines = StubEngines()
+    pool = _pool(engines)
+    engines.pause_after = 4  # the update's pause cuts prompt 0's 9-token responses
+    pool.round(PROMPTS, version=0, seed=1)
+    assert [len(g) for g in pool.done] == [2] and pool.done[0][0].prompt_index == 1
+    assert pool.take(2) is None and len(pool.pending) == 1
+    engines.version, engines.pause_after = 1, None
+    pool.round([], version=1, seed=2)
+    batch = pool.take(2)
+    assert [s.prompt_index for s in batch] == [1, 1, 0, 0]
+    ids, _ = reference(PROMPTS[0].input_ids, [0] * 4 + [1] * 5)
+    assert batch[2].response_ids == ids and batch[2].token_weight_versions == [0] * 4 + [1] * 5
+    metrics = pool.metrics(batch)
+    assert metrics["rollout/mixed_version_sample_frac"] == 0.5
+    assert (metrics["rollout/tokens_version_0"], metrics["rollout/tokens_version_1"]) == (3 * 2 + 4 * 2, 5 * 2)
+    assert metrics["rollout/partial_tokens_thrown_away"] == 0
+
+
+def test_partial_groups_too_stale_are_thrown_away_and_counted():
+    engines = StubEngines()
+    pool = _pool(engines, max_staleness=1)
+    engines.pause_after = 2
+    pool.round(PROMPTS[:1], version=0, seed=1)
+    engines.version = 2  # two updates since its first tokens: more than max_staleness_versions=1
+    pool.round([], version=2, seed=2)
+    assert pool.pending == [] and pool.done == []
+    assert (pool.tokens_thrown_away, pool.groups_thrown_away) == (4, 1)
+
+
+def test_a_group_waits_for_its_last_sample():
+    from miles_core.rollout.partial_pool import PartialPool
+
+    class HalfManager:  # continues only the first partial sample it is given
+        def continue_partial(self, samples, seed):
+            next(s for s in samples if s.finish_reason == "abort").finish_reason = "stop"
+
+    pool = PartialPool(HalfManager(), 2, 5)
+    pool.pending = [[Sample(0, [1], [2], "", finish_reason="abort"), Sample(0, [1], [3], "", finish_reason="abort")]]
+    pool.round([], version=0, seed=0)
+    assert pool.done == [] and len(pool.pending) == 1
+    pool.round([], version=0, seed=0)
+    assert len(pool.done) == 1 and pool.pending == []
