@@ -198,13 +198,16 @@ def test_the_long_tail_group_is_kept_across_an_update_and_trains_once_done():
 
 def test_partial_groups_too_stale_are_thrown_away_and_counted():
     engines = StubEngines()
-    pool = _pool(engines, max_staleness=1)
+    pool = _pool(engines, max_staleness=2)
     engines.pause_after = 2
     pool.round(PROMPTS[:1], version=0, seed=1)
-    engines.version = 2  # two updates since its first tokens: more than max_staleness_versions=1
-    pool.round([], version=2, seed=2)
+    engines.version = 1
+    pool.round([], version=1, seed=2)  # paused again: 2 tokens at version 0, 2 at version 1
+    assert len(pool.pending) == 1 and pool.pending[0][0].token_weight_versions == [0, 0, 1, 1]
+    engines.version = 3  # its oldest token is 3 versions behind: more than max_staleness_versions=2
+    pool.round([], version=3, seed=3)
     assert pool.pending == [] and pool.done == []
-    assert (pool.tokens_thrown_away, pool.groups_thrown_away) == (4, 1)
+    assert (pool.tokens_thrown_away, pool.groups_thrown_away) == (8, 1)
 
 
 def test_a_group_waits_for_its_last_sample():
