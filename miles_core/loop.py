@@ -22,6 +22,7 @@ from miles_core.config import RunConfig
 from miles_core.data import PromptSource, Sample, sft_samples
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.partial import version_metrics
+from miles_core.rollout.partial_pool import PartialPool
 from miles_core.rollout.router import NoHealthyEngine
 from miles_core.schedules import SCHEDULES, RolloutBatch, timed
 from miles_core.time_sharing import time_sharing
@@ -148,6 +149,37 @@ def train_on(cfg: RunConfig, trainer: Any, batch: RolloutBatch) -> dict[str, flo
     return metrics | {"time/train_seconds": time.perf_counter() - started}
 
 
+def make_partial_producer(run: TrainingRun, manager: RolloutManager):
+    """rollout.partial: (step, engine version) -> a batch of num_prompts_per_step finished groups,
+    or None when this round (cut short by a weight update, or with groups still running) finished
+    too few; partial groups wait in the pool and continue with the next round's weights. The
+    batch's version is the engines' at the end (its tokens carry their own, token_weight_versions).
+    Partial groups are not checkpointed: a resumed run starts them again from new prompts."""
+    cfg, source = run.cfg, run.source
+    pool = PartialPool(manager, cfg.rollout.num_samples_per_prompt, cfg.rollout.partial.max_staleness_versions)
+    rounds = [0]
+
+    def produce(step: int, version: int) -> RolloutBatch | None:
+        wanted = cfg.rollout.num_prompts_per_step
+        new = pool.prompts_wanted(wanted)
+        pool.round(source.next_batch(new) if new else [], version, seed=cfg.seed * 100_003 + rounds[0] * 97)
+        rounds[0] += 1
+        samples = pool.take(wanted)
+        if samples is None:
+            return None
+        return RolloutBatch(samples, rollout_metrics(cfg, samples) | pool.metrics(samples), version,
+                            source.state_dict())
+
+    return timed(produce)
+
+
+def _schedule(run: TrainingRun, manager: RolloutManager):
+    cfg = run.cfg
+    if cfg.rollout.partial.enabled:  # validated: fully_async
+        return SCHEDULES["fully_async"](make_partial_producer(run, manager), cfg, engines=run.engines)
+    return SCHEDULES[cfg.rollout.loop.kind](make_producer(run, manager), cfg)
+
+
 def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
     """Train from state to training.num_steps: one rollout batch, one update and one weight push
     per step, a checkpoint every checkpoint.interval_steps."""
@@ -160,7 +192,7 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
             state.periodic_eval.append({"step": step, **metrics})
             run.hooks.on_metrics(step, metrics)
 
-    schedule = SCHEDULES[cfg.rollout.loop.kind](make_producer(run, manager), cfg)
+    schedule = _schedule(run, manager)
     sharing = time_sharing(cfg, run.trainer, engines)  # placement.time_sharing: see miles_core.time_sharing
     try:
         sharing.start()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
+import types
 
 import pytest
 import torch
@@ -15,8 +18,9 @@ from miles_core.rollout.partial import append_segment, version_metrics
 from miles_core.training.batches import mixed_version_fraction, pad_batch
 
 PROMPTS = [Prompt(0, "a", "x", [3, 4, 5]), Prompt(1, "b", "y", [6, 7])]
-LENGTHS = {(3, 4, 5): 9, (6, 7): 3}
-"""Scripted long tail: prompt 0's response is 9 tokens long, prompt 1's 3."""
+LONG = Prompt(2, "c", "z", [8, 8, 9])
+LENGTHS = {(3, 4, 5): 9, (6, 7): 3, (8, 8, 9): 400}
+"""Scripted long tail: prompt 0's response is 9 tokens long, prompt 1's 3, LONG's 400."""
 
 
 def policy(context: list[int], version: int) -> tuple[int, float]:
@@ -223,3 +227,73 @@ def test_a_group_waits_for_its_last_sample():
     assert pool.done == [] and len(pool.pending) == 1
     pool.round([], version=0, seed=0)
     assert len(pool.done) == 1 and pool.pending == []
+
+
+# ---- the fully async schedule with rollout.partial ---------------------------------------------
+
+
+class PausableEngines(StubEngines):
+    """StubEngines one token at a time, with /pause_generation mode=abort (running and new
+    requests return what they have, finish_reason abort) and /continue_generation."""
+
+    def __init__(self):
+        super().__init__()
+        self.paused, self.pauses, self.tokens_made = False, [], threading.Event()
+
+    def pause(self, mode: str) -> None:
+        self.pauses.append(mode)
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def _one(self, ids, budget):
+        out = {"output_ids": [], "meta_info": {"output_token_logprobs": [], "weight_version": str(self.version),
+                                               "finish_reason": {"type": "length"}}, "text": ""}
+        for _ in range(budget):
+            if self.paused:
+                out["meta_info"]["finish_reason"] = {"type": "abort"}
+                return out
+            one = StubEngines._one(self, ids + out["output_ids"], 1)
+            out["output_ids"] += one["output_ids"]
+            out["meta_info"]["output_token_logprobs"] += one["meta_info"]["output_token_logprobs"]
+            out["meta_info"]["finish_reason"] = one["meta_info"]["finish_reason"]
+            if len(out["output_ids"]) == 20:
+                self.tokens_made.set()
+            if one["meta_info"]["finish_reason"]["type"] == "stop":
+                break
+            time.sleep(0.002)
+        return out
+
+
+def test_fully_async_with_partial_rollouts_continues_a_sample_cut_by_a_weight_update():
+    from miles_core.config import build_config
+    from miles_core.loop import make_partial_producer
+    from miles_core.schedules import FullyAsyncSchedule
+
+    cfg = build_config({"rollout": {"loop": "fully_async"}},
+                       ["rollout.partial.enabled=true", "algorithm.correction.kind=tis", "algorithm.name=ppo",
+                        "rollout.num_samples_per_prompt=1", "rollout.num_prompts_per_step=1",
+                        "rollout.max_new_tokens=500"])
+    engines = PausableEngines()
+    source = types.SimpleNamespace(queue=[PROMPTS[1], LONG], state_dict=dict)
+    source.next_batch = lambda k: [source.queue.pop(0) for _ in range(k)]
+    run = types.SimpleNamespace(cfg=cfg, source=source)
+    schedule = FullyAsyncSchedule(make_partial_producer(run, RolloutManager(engines, cfg.rollout, "exact_match")),
+                                  cfg, engines=engines)
+    try:
+        first = schedule.next(0, 0)
+        assert [s.prompt_index for s in first.samples] == [1]
+        assert engines.tokens_made.wait(60)  # the long sample is running at version 0
+        with schedule.hold_engines():
+            engines.version = 1  # the weight push
+        second = schedule.next(1, 1)
+    finally:
+        schedule.close()
+    sample = second.samples[0]
+    cut = sample.token_weight_versions.index(1)
+    assert engines.pauses[0] == "abort" and 20 <= cut < 400 and len(sample.response_ids) == 400
+    ids, logprobs = reference(LONG.input_ids, [0] * cut + [1] * (400 - cut))
+    assert sample.response_ids == ids and sample.rollout_logprobs == pytest.approx(logprobs)
+    assert second.metrics["rollout/mixed_version_sample_frac"] == 1.0
+    assert second.metrics["rollout/tokens_version_0"] == cut
