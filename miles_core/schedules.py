@@ -94,10 +94,14 @@ class FullyAsyncSchedule:
         self.thread: threading.Thread | None = None
         self.dropped = 0
         self.engines = engines if r.partial.enabled else None
+        self.update_waiting = threading.Event()
+        """Set while hold_engines waits for the engines: the producer starts no round meanwhile."""
 
     def _run(self) -> None:
         try:
             while not self.stop.is_set():
+                while self.update_waiting.is_set() and not self.stop.is_set():
+                    time.sleep(0.01)
                 with self.engine_lock:
                     batch = self.produce(self.produced, self.engine_version)
                 if batch is None:  # a partial round: no group set is complete yet
@@ -135,6 +139,7 @@ class FullyAsyncSchedule:
 
     @contextmanager
     def hold_engines(self):
+        self.update_waiting.set()
         if self.engines is not None:
             self._interrupt_round()
         else:
@@ -146,6 +151,7 @@ class FullyAsyncSchedule:
             if self.engines is not None:
                 self.engines.resume()
             self.engine_lock.release()
+            self.update_waiting.clear()
 
     def _interrupt_round(self, interval: float = 0.05) -> None:
         """Pause the engines (mode=abort) until the producer's round returns and frees the lock."""

@@ -262,7 +262,7 @@ class PausableEngines(StubEngines):
                 self.tokens_made.set()
             if one["meta_info"]["finish_reason"]["type"] == "stop":
                 break
-            time.sleep(0.002)
+            time.sleep(0.005)
         return out
 
 
