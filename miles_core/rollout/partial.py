@@ -53,7 +53,7 @@ def append_segment(sample: Sample, out: dict[str, Any]) -> Sample:
     meta = out["meta_info"]
     ids = list(out["output_ids"])
     logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
-    if sample.response_ids and bool(sample.rollout_logprobs) != bool(logprobs):
+    if ids and sample.response_ids and bool(sample.rollout_logprobs) != bool(logprobs):
         raise ValueError("a continued sample needs log-probs of every segment, or of none")
     if logprobs and len(logprobs) != len(ids):
         raise ValueError(f"segment has {len(logprobs)} log-probs for {len(ids)} tokens")

@@ -143,6 +143,15 @@ def test_the_correction_uses_each_tokens_behaviour_logprob_across_segments():
     assert weights.tolist() == pytest.approx([math.exp(-0.5 - lp) for lp in behaviour], rel=1e-5)
 
 
+def test_a_segment_aborted_before_it_ran_leaves_the_sample_as_it_was():
+    sample = Sample(0, [1], [5], "", rollout_logprobs=[-1.0], token_weight_versions=[0], finish_reason="abort")
+    out = {"output_ids": [], "text": "", "meta_info": {"output_token_logprobs": [], "weight_version": "1",
+                                                       "finish_reason": {"type": "abort"}}}
+    append_segment(sample, out)
+    assert (sample.response_ids, sample.rollout_logprobs, sample.token_weight_versions) == ([5], [-1.0], [0])
+    assert sample.finish_reason == "abort"
+
+
 def test_a_segment_without_logprobs_cannot_extend_one_with_them():
     sample = Sample(0, [1], [5], "", rollout_logprobs=[-1.0], finish_reason="abort")
     out = {"output_ids": [6], "meta_info": {"finish_reason": {"type": "stop"}, "weight_version": "1"}}
