@@ -131,8 +131,10 @@ class FullyAsyncSchedule:
                 return item
             self.dropped += 1
             if self.policy == "retry":  # regenerate now, with the current weights
-                with self.engine_lock:
-                    fresh = self.produce(step, self.engine_version)
+                fresh = None
+                while fresh is None:  # rollout.partial: rounds until a batch is complete
+                    with self.engine_lock:
+                        fresh = self.produce(step, self.engine_version)
                 fresh.metrics |= {"async/staleness": float(version - fresh.version),
                                   "async/dropped_batches": float(self.dropped)}
                 return fresh

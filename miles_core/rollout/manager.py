@@ -75,16 +75,17 @@ class RolloutManager:
         a fresh seed, so its continuation does not replay the noise of its first segment. Returns
         the samples (updated in place), the finished ones scored again."""
         todo = [s for s in samples if is_partial(s)]
-        by_budget: dict[int, list[Sample]] = {}
-        for sample in todo:
+        by_budget: dict[int, list[tuple[int, Sample]]] = {}
+        for k, sample in enumerate(todo):
             params = continuation_params(self.sampling_params([0])[0], sample)
             if params["max_new_tokens"] <= 0:
                 sample.finish_reason = "length"
             else:
-                by_budget.setdefault(params["max_new_tokens"], []).append(sample)
+                by_budget.setdefault(params["max_new_tokens"], []).append((k, sample))
         futures = []
-        for group in by_budget.values():
-            seeds = [(seed * SEED_STRIDE + s.prompt_index * 7919 + len(s.response_ids)) % SEED_MODULUS for s in group]
+        for pairs in by_budget.values():
+            group = [s for _, s in pairs]
+            seeds = [(seed * SEED_STRIDE + k) % SEED_MODULUS for k, _ in pairs]  # one per sample, as in generate
             params = [continuation_params(p, s) for p, s in zip(self.sampling_params(seeds), group)]
             futures.append((group, self.pool.submit(self.engines.generate, [continuation_input(s) for s in group],
                                                     params)))

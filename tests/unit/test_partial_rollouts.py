@@ -108,6 +108,20 @@ def test_the_budget_covers_every_segment():
     assert samples[0].token_weight_versions == [0, 0, 0, 0, 1, 1]
 
 
+def test_each_continued_sample_gets_its_own_fresh_seed():
+    engines = StubEngines()
+    seen = []
+    engines.generate = lambda ids, params, **extra: (seen.append([p["sampling_seed"] for p in params]),
+                                                     StubEngines.generate(engines, ids, params))[1]
+    rollout = RolloutConfig(num_samples_per_prompt=2, max_new_tokens=16, num_prompts_per_step=1)
+    manager = RolloutManager(engines, rollout, "exact_match")
+    engines.pause_after = 2
+    samples = manager.generate(PROMPTS[:1], seed=1)
+    manager.continue_partial(samples, seed=2)
+    first, continued = seen
+    assert len(set(first + continued)) == 4  # the group's two samples, twice: no noise replayed or shared
+
+
 def test_per_token_versions_reach_the_trainer_batch():
     one = Sample(0, [1, 2], [5, 6, 7], "", rollout_logprobs=[-1.0, -2.0, -3.0], token_weight_versions=[3, 3, 4])
     plain = Sample(0, [1, 2, 3], [8], "", weight_version="4")  # no per-token list: its weight_version
