@@ -102,3 +102,29 @@ def test_a_request_aborted_while_retracted_returns_its_tokens_with_finish_reason
     out = result["outs"][0]
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(out["output_ids"]) == 2 == len(out["meta_info"]["output_token_logprobs"])
+
+
+def _out(ids, finish, version="0"):
+    return {"text": "", "output_ids": ids, "meta_info": {
+        "finish_reason": {"type": finish}, "prompt_tokens": 2, "completion_tokens": len(ids), "weight_version": version,
+        "output_token_logprobs": [[-0.1 * t, t, None] for t in ids]}}
+
+
+def test_only_rows_cut_short_continue_and_each_keeps_its_own_budget():
+    from miles_core.rollout.retract import merge_continuation, unfinished_rows
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    outs = [_out([1, 2], "stop"), _out([3], "length"), _out([4, 5, 6], "length"), _out([7, 8, 9, 10], "length")]
+    assert unfinished_rows(outs, max_new_tokens=4) == [1, 2]  # row 0 stopped, row 3 used its budget
+    longer = merge_continuation(outs[1], _out([11, 12, 13], "length", "1"), budget=3, tokenizer=Tok())
+    cut = merge_continuation(outs[2], _out([14, 15, 16], "length", "1"), budget=1, tokenizer=Tok())
+    stopped = merge_continuation(outs[2], _out([17], "stop", "1"), budget=1, tokenizer=Tok())
+    assert longer["output_ids"] == [3, 11, 12, 13] and longer["text"] == "3 11 12 13"
+    assert [e[1] for e in longer["meta_info"]["output_token_logprobs"]] == [3, 11, 12, 13]
+    assert cut["output_ids"] == [4, 5, 6, 14] and len(cut["meta_info"]["output_token_logprobs"]) == 4
+    assert cut["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert (stopped["meta_info"]["finish_reason"]["type"], stopped["meta_info"]["weight_version"]) == ("stop", "1")
+    assert unfinished_rows([outs[0], longer, cut, outs[3]], max_new_tokens=4) == []
