@@ -51,7 +51,7 @@ def test_fully_async_with_partial_rollouts_trains_every_step(ray_local, tmp_path
     for h in result.history:  # per-token versions reach the batch and the trainer's metrics
         assert 0.0 <= h["rollout/mixed_version_sample_frac"] <= 1.0
         assert h["train/mixed_version_sample_frac"] == h["rollout/mixed_version_sample_frac"]
-        assert sum(v for k, v in h.items() if k.startswith("rollout/tokens_version_")) > 0
+        assert sum(v for k, v in h.items() if k.startswith("rollout/tokens_behind_")) > 0
         assert "rollout/partial_tokens_thrown_away" in h
     print("mixed-version share, response length per step:",
           [(h["rollout/mixed_version_sample_frac"], h["rollout/response_len_mean"]) for h in result.history])

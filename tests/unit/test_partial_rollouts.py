@@ -135,7 +135,7 @@ def test_version_metrics_count_tokens_per_version_and_mixed_samples():
     samples = [Sample(0, [1], [5, 6, 7], "", token_weight_versions=[3, 3, 4]),
                Sample(0, [1], [8], "", weight_version="4")]
     assert version_metrics(samples) == {"rollout/mixed_version_sample_frac": 0.5,
-                                        "rollout/tokens_version_3": 2.0, "rollout/tokens_version_4": 2.0}
+                                        "rollout/tokens_behind_1": 2.0, "rollout/tokens_behind_0": 2.0}
 
 
 def test_the_correction_uses_each_tokens_behaviour_logprob_across_segments():
@@ -219,7 +219,7 @@ def test_the_long_tail_group_is_kept_across_an_update_and_trains_once_done():
     assert batch[2].response_ids == ids and batch[2].token_weight_versions == [0] * 4 + [1] * 5
     metrics = pool.metrics(batch)
     assert metrics["rollout/mixed_version_sample_frac"] == 0.5
-    assert (metrics["rollout/tokens_version_0"], metrics["rollout/tokens_version_1"]) == (3 * 2 + 4 * 2, 5 * 2)
+    assert (metrics["rollout/tokens_behind_1"], metrics["rollout/tokens_behind_0"]) == (3 * 2 + 4 * 2, 5 * 2)
     assert metrics["rollout/partial_tokens_thrown_away"] == 0
 
 
@@ -319,4 +319,4 @@ def test_fully_async_with_partial_rollouts_continues_a_sample_cut_by_a_weight_up
     ids, logprobs = reference(LONG.input_ids, [0] * cut + [1] * (400 - cut))
     assert sample.response_ids == ids and sample.rollout_logprobs == pytest.approx(logprobs)
     assert second.metrics["rollout/mixed_version_sample_frac"] == 1.0
-    assert second.metrics["rollout/tokens_version_0"] == cut
+    assert second.metrics["rollout/tokens_behind_1"] == cut
