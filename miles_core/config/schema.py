@@ -524,10 +524,12 @@ class RunConfig(Section):
                              "behaviour log-prob")
         unsupported = [name for name, value in (("rollout.generate", r.generate), ("rollout.remote_reward",
                        r.remote_reward), ("rollout.sample_filter", r.sample_filter), ("rollout.group_filter",
-                       r.group_filter), ("algorithm.dynamic_sampling", a.dynamic_sampling)) if value]
+                       r.group_filter), ("algorithm.dynamic_sampling", a.dynamic_sampling),
+                       ("training.megatron.routing_replay", self.routing_replay)) if value]
         if unsupported:
             raise ValueError("rollout.partial.enabled continues the default generation's samples, scores them with "
-                             "a local reward and trains every finished group: unset "
+                             "a local reward and trains every finished group (a cut sample has no routed experts "
+                             "to replay): unset "
                              f"{', '.join(unsupported)}, or set rollout.partial.enabled=false")
 
     def _choose_transport(self) -> None:
