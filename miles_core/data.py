@@ -205,6 +205,12 @@ class Sample:
     loss_mask: list[float] = field(default_factory=list)
     """Per response token 1/0 (empty = train on every response token); multi-turn SFT masks."""
     weight_version: str = "0"
+    """The engine's weight version when the response finished (kept for compatibility; with
+    partial rollouts a response can span several: see token_weight_versions)."""
+    token_weight_versions: list[int] = field(default_factory=list)
+    """Per response token, the weight version that generated it (a sample paused and continued
+    across weight updates mixes versions). Empty: every token at `weight_version` (SFT, custom
+    generate functions that do not set it); see token_versions()."""
     finish_reason: str = "stop"
     filtered: bool = False
     """Dropped by rollout.sample_filter: it keeps its place in its group and trains on no token."""
@@ -213,6 +219,24 @@ class Sample:
     [len(prompt_ids) + len(response_ids) - 1, num_layers, top_k] (SGLang's layout; its flat
     buffer arrives as [..., num_layers * top_k] and the trainer, which knows the model,
     reshapes). None when the engine was not asked for them."""
+
+
+def version_number(version: str | int) -> int:
+    """A weight version as an int: SGLang's "default" (no update yet) is version 0."""
+    text = str(version)
+    return int(text) if text.lstrip("-").isdigit() else 0
+
+
+def token_versions(sample: Sample) -> list[int]:
+    """The weight version of each response token (token_weight_versions, or weight_version for all)."""
+    if sample.token_weight_versions:
+        return list(sample.token_weight_versions)
+    return [version_number(sample.weight_version)] * len(sample.response_ids)
+
+
+def is_mixed_version(sample: Sample) -> bool:
+    """True when the sample's response tokens come from more than one weight version."""
+    return len(set(token_versions(sample))) > 1
 
 
 def _conversation_sample(prompt: Prompt, tokenizer) -> Sample:

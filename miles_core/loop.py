@@ -21,6 +21,8 @@ from miles_core import algorithms as algo
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, Sample, sft_samples
 from miles_core.rollout.manager import RolloutManager
+from miles_core.rollout.partial import version_metrics
+from miles_core.rollout.partial_pool import PartialPool
 from miles_core.rollout.router import NoHealthyEngine
 from miles_core.schedules import SCHEDULES, RolloutBatch, timed
 from miles_core.time_sharing import time_sharing
@@ -96,7 +98,7 @@ def rollout_metrics(cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
         "rollout/response_len_mean": statistics.fmean(len(s.response_ids) for s in samples),
         "rollout/truncated_frac": statistics.fmean(s.finish_reason == "length" for s in samples),
         "rollout/zero_std_group_frac": statistics.fmean(len(set(g)) == 1 for g in groups),
-    } | ({"rollout/filtered_sample_frac": statistics.fmean(s.filtered for s in samples)}
+    } | version_metrics(samples) | ({"rollout/filtered_sample_frac": statistics.fmean(s.filtered for s in samples)}
          if cfg.rollout.sample_filter else {})
 
 
@@ -147,6 +149,37 @@ def train_on(cfg: RunConfig, trainer: Any, batch: RolloutBatch) -> dict[str, flo
     return metrics | {"time/train_seconds": time.perf_counter() - started}
 
 
+def make_partial_producer(run: TrainingRun, manager: RolloutManager):
+    """rollout.partial: (step, engine version) -> a batch of num_prompts_per_step finished groups,
+    or None when this round (cut short by a weight update, or with groups still running) finished
+    too few; partial groups wait in the pool and continue with the next round's weights. The
+    batch's version is the engines' at the end (its tokens carry their own, token_weight_versions).
+    Partial groups are not checkpointed: a resumed run starts them again from new prompts."""
+    cfg, source = run.cfg, run.source
+    pool = PartialPool(manager, cfg.rollout.num_samples_per_prompt, cfg.rollout.partial.max_staleness_versions)
+    rounds = [0]
+
+    def produce(step: int, version: int) -> RolloutBatch | None:
+        wanted = cfg.rollout.num_prompts_per_step
+        new = pool.prompts_wanted(wanted)
+        pool.round(source.next_batch(new) if new else [], version, seed=cfg.seed * 100_003 + rounds[0] * 97)
+        rounds[0] += 1
+        samples = pool.take(wanted)
+        if samples is None:
+            return None
+        return RolloutBatch(samples, rollout_metrics(cfg, samples) | pool.metrics(samples), version,
+                            source.state_dict())
+
+    return timed(produce)
+
+
+def _schedule(run: TrainingRun, manager: RolloutManager):
+    cfg = run.cfg
+    if cfg.rollout.partial.enabled:  # validated: fully_async
+        return SCHEDULES["fully_async"](make_partial_producer(run, manager), cfg, engines=run.engines)
+    return SCHEDULES[cfg.rollout.loop.kind](make_producer(run, manager), cfg)
+
+
 def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
     """Train from state to training.num_steps: one rollout batch, one update and one weight push
     per step, a checkpoint every checkpoint.interval_steps."""
@@ -159,7 +192,7 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
             state.periodic_eval.append({"step": step, **metrics})
             run.hooks.on_metrics(step, metrics)
 
-    schedule = SCHEDULES[cfg.rollout.loop.kind](make_producer(run, manager), cfg)
+    schedule = _schedule(run, manager)
     sharing = time_sharing(cfg, run.trainer, engines)  # placement.time_sharing: see miles_core.time_sharing
     try:
         sharing.start()

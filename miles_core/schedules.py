@@ -30,6 +30,7 @@ class RolloutBatch:
 
 
 Producer = Callable[[int, int], RolloutBatch]  # (step, engine weight version) -> batch
+# rollout.partial: a producer round may finish no batch yet (None); its partial samples wait in the pool
 
 
 class SyncSchedule:
@@ -75,9 +76,15 @@ class OneStepOffSchedule:
 
 class FullyAsyncSchedule:
     """A persistent producer fills a bounded buffer with the newest weights it has; batches
-    more than `max_weight_staleness` versions behind are dropped or regenerated."""
+    more than `max_weight_staleness` versions behind are dropped or regenerated.
 
-    def __init__(self, produce: Producer, cfg: RunConfig):
+    With rollout.partial (and `engines`, which must offer pause(mode) and resume()), the producer
+    runs rounds (see miles_core.rollout.partial_pool) and a weight update does not wait for a
+    round: the engines are paused with mode=abort, so running requests return what they have
+    (kept by the producer, continued with the new weights), and requests sent meanwhile are
+    aborted again until the producer lets go of the engines."""
+
+    def __init__(self, produce: Producer, cfg: RunConfig, engines=None):
         r = cfg.rollout
         self.produce, self.max_staleness, self.policy = produce, r.loop.max_weight_staleness, r.loop.stale_policy
         self.buffer: queue.Queue[RolloutBatch | BaseException] = queue.Queue(maxsize=r.loop.buffer_batches)
@@ -86,12 +93,19 @@ class FullyAsyncSchedule:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.dropped = 0
+        self.engines = engines if r.partial.enabled else None
+        self.update_waiting = threading.Event()
+        """Set while hold_engines waits for the engines: the producer starts no round meanwhile."""
 
     def _run(self) -> None:
         try:
             while not self.stop.is_set():
+                while self.update_waiting.is_set() and not self.stop.is_set():
+                    time.sleep(0.01)
                 with self.engine_lock:
                     batch = self.produce(self.produced, self.engine_version)
+                if batch is None:  # a partial round: no group set is complete yet
+                    continue
                 self.produced += 1
                 while not self.stop.is_set():
                     try:
@@ -117,17 +131,35 @@ class FullyAsyncSchedule:
                 return item
             self.dropped += 1
             if self.policy == "retry":  # regenerate now, with the current weights
-                with self.engine_lock:
-                    fresh = self.produce(step, self.engine_version)
+                fresh = None
+                while fresh is None:  # rollout.partial: rounds until a batch is complete
+                    with self.engine_lock:
+                        fresh = self.produce(step, self.engine_version)
                 fresh.metrics |= {"async/staleness": float(version - fresh.version),
                                   "async/dropped_batches": float(self.dropped)}
                 return fresh
 
     @contextmanager
     def hold_engines(self):
-        with self.engine_lock:
+        self.update_waiting.set()
+        if self.engines is not None:
+            self._interrupt_round()
+        else:
+            self.engine_lock.acquire()
+        try:
             yield
             self.engine_version += 1
+        finally:
+            if self.engines is not None:
+                self.engines.resume()
+            self.engine_lock.release()
+            self.update_waiting.clear()
+
+    def _interrupt_round(self, interval: float = 0.05) -> None:
+        """Pause the engines (mode=abort) until the producer's round returns and frees the lock."""
+        self.engines.pause("abort")
+        while not self.engine_lock.acquire(timeout=interval):
+            self.engines.pause("abort")  # what the round sent after the first pause is held: abort it
 
     def close(self) -> None:
         self.stop.set()
@@ -142,7 +174,8 @@ def timed(produce: Callable[[int, int], RolloutBatch]) -> Producer:
     def run(step: int, version: int) -> RolloutBatch:
         started = time.perf_counter()
         batch = produce(step, version)
-        batch.seconds = time.perf_counter() - started
+        if batch is not None:
+            batch.seconds = time.perf_counter() - started
         return batch
 
     return run

@@ -157,6 +157,22 @@ class FullyAsyncLoop(Section):
     """Batches the producer may generate ahead of the trainer."""
 
 
+class PartialRollouts(Section):
+    """Partial rollouts (rollout.loop=fully_async): at a weight update the engines' running
+    requests return what they have (pause_generation mode=abort), and the producer keeps those
+    samples and continues them with the new weights (prompt + tokens so far re-prefilled) instead
+    of throwing them away. A sample's tokens then come from several weight versions: each token
+    keeps its version and its behaviour log-prob, and the off-policy correction
+    (algorithm.correction tis or mis, required) weighs each by its own. A group trains once all
+    its samples are done."""
+
+    enabled: bool = False
+    """Keep partial samples across weight updates (off: a batch is generated with one version)."""
+    max_staleness_versions: int = Field(2, ge=0)
+    """A partial sample whose oldest token is more than this many versions behind the engines'
+    weights is thrown away with its group (counted in rollout/partial_tokens_thrown_away)."""
+
+
 EngineConfig = variants(EmbeddedEngine, SGLangEngine)
 TransportConfig = variants(AutoTransport, ObjectStoreTransport, SharedMemoryTransport, BroadcastTransport, CudaIpcTransport,
                            DiskTransport)
@@ -243,6 +259,8 @@ class RolloutConfig(Section):
     loop: LoopConfig = SyncLoop()
     """Rollout schedule: `sync` (generate, then train), `one_step_off` (generate step k+1 while
     step k trains), `fully_async` (a persistent producer with a bounded buffer)."""
+    partial: PartialRollouts = PartialRollouts()
+    """Partial rollouts: samples cut by a weight update are continued, not dropped (fully_async)."""
     bind_host: Literal["loopback", "node_ip"] = "loopback"
     """Engine HTTP servers bind to 127.0.0.1 (one-machine clusters) or the Ray node's IP."""
     request_timeout_seconds: float = Field(300.0, gt=0)

@@ -479,6 +479,7 @@ class RunConfig(Section):
         self._choose_transport()
         self._groups_fit()
         self._off_policy_fits()
+        self._partial_fits()
         self._engines_fit()
         self._routing_replay_fits()
         self._teacher_fits()
@@ -510,6 +511,32 @@ class RunConfig(Section):
                 and a.old_logprob_source == "trainer"):
             raise ValueError(f"rollout.loop={self.rollout.loop.kind} trains on off-policy samples: set "
                              "algorithm.correction.kind=tis (or icepop/mis) or algorithm.old_logprob_source=rollout")
+
+    def _partial_fits(self) -> None:
+        """rollout.partial continues samples across weight updates: only the fully async loop
+        updates weights while samples are in flight, and their tokens mix versions, which only a
+        per-token correction against each token's behaviour log-prob handles."""
+        r, a = self.rollout, self.algorithm
+        if not r.partial.enabled:
+            return
+        if r.loop.kind != "fully_async":
+            raise ValueError(f"rollout.partial.enabled needs rollout.loop=fully_async (it is {r.loop.kind}): only "
+                             "the fully async loop updates weights while samples are in flight; set "
+                             "rollout.loop.kind=fully_async or rollout.partial.enabled=false")
+        if a.correction.kind not in ("tis", "mis"):
+            raise ValueError("rollout.partial.enabled trains on samples whose tokens come from several weight "
+                             f"versions: set algorithm.correction.kind=tis or mis (it is {a.correction.kind}), with "
+                             "algorithm.old_logprob_source=trainer, so each token is weighed against its own "
+                             "behaviour log-prob")
+        unsupported = [name for name, value in (("rollout.generate", r.generate), ("rollout.remote_reward",
+                       r.remote_reward), ("rollout.sample_filter", r.sample_filter), ("rollout.group_filter",
+                       r.group_filter), ("algorithm.dynamic_sampling", a.dynamic_sampling),
+                       ("training.megatron.routing_replay", self.routing_replay)) if value]
+        if unsupported:
+            raise ValueError("rollout.partial.enabled continues the default generation's samples, scores them with "
+                             "a local reward and trains every finished group (a cut sample has no routed experts "
+                             "to replay): unset "
+                             f"{', '.join(unsupported)}, or set rollout.partial.enabled=false")
 
     def _choose_transport(self) -> None:
         """Resolves `rollout.weight_transport: auto` to the fastest transport the placement allows."""

@@ -21,7 +21,7 @@ from miles_core.config import RunConfig
 from miles_core.config.rollout import EngineConfig
 from miles_core.rollout.interface import RolloutEngine
 from miles_core.rollout.router import Router
-from miles_core.rollout.sglang_client import SGLangClient, SGLangLauncher
+from miles_core.rollout.sglang_client import EngineError, SGLangClient, SGLangLauncher
 
 if TYPE_CHECKING:
     from miles_core.rollout.http_limits import ServerLimits
@@ -146,6 +146,22 @@ class EngineGroup:
     def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any], **extra: Any) -> list[dict]:
         """extra: further /generate request fields, e.g. return_routed_experts=True."""
         return self.router.generate(input_ids, sampling_params, return_logprob=True, **extra)
+
+    def pause(self, mode: str = "abort") -> None:
+        """/pause_generation on every engine (rollout.partial: mode=abort returns running requests
+        with what they have); an engine that does not answer is left to the health checks."""
+        self._each(lambda client: client.pause(mode))
+
+    def resume(self) -> None:
+        """/continue_generation on every engine."""
+        self._each(lambda client: client.resume())
+
+    def _each(self, call: Callable[[SGLangClient], None]) -> None:
+        for url in self.urls:
+            try:
+                call(self.client(url))
+            except EngineError as exc:
+                log.warning("engine at %s: %s", url, exc)
 
     @property
     def num_healthy(self) -> int:

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from miles_core.net import init_custom_process_group
 from miles_core.rollout.engine import EmbeddedEngine, split_sampling_params
+from miles_core.rollout.retract import continuation_seed, merge_continuation, unfinished_rows
 from miles_core.weight_layout import checkpoint_layout
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class Request:
         self.rids = rids
         self.aborted = threading.Event()
         self.stopped_early = False
+        self.retracted = False
+        """Its running call was cut by pause_generation(mode=retract): it continues after continue."""
 
 
 class EngineService:
@@ -86,6 +89,8 @@ class EngineService:
         self.current: Request | None = None
         self.requests: dict[int, Request] = {}
         self.paused = False
+        self.retracting = False
+        """pause_generation(mode=retract) is on: the running call ends at its next decode step."""
         self.stale_cache_version: str | None = None
         """Set when weights changed with flush_cache=false: SGLang's radix cache would then serve
         KV computed with the old weights, so generation is refused until /flush_cache."""
@@ -147,27 +152,57 @@ class EngineService:
             await asyncio.sleep(0.02)
 
     def pause(self, mode: str) -> None:
-        """'abort' ends running and queued requests; 'retract' and 'in_place' let the running
-        batch finish (one transformers call cannot be suspended) and hold new ones."""
+        """SGLang's modes (see miles_core.rollout.retract): 'abort' ends running and queued
+        requests (their tokens so far, finish_reason abort); 'retract' ends the running call at
+        its next decode step and holds its requests, which continue after /continue_generation
+        from prompt + tokens so far (re-prefilled with the weights held then; one response to the
+        client); 'in_place' lets the running batch finish (one transformers call cannot be
+        suspended, and KV kept across a weight update would be stale). All hold new requests."""
         self.paused = True
         if mode == "abort":
             self.abort()
+        self.retracting = mode == "retract"
+
+    def resume(self) -> None:
+        """/continue_generation: held and retracted requests go on."""
+        self.retracting = False
+        self.paused = False
 
     # ---- generation (worker thread) -------------------------------------------------------
 
     def _running_request_aborted(self) -> bool:
         """The engine's interrupt check, between decode steps: /abort_request ends the running batch."""
         req = self.current
-        stop = req is not None and req.aborted.is_set()
-        if stop:
+        if req is not None and req.aborted.is_set():
             req.stopped_early = True
-        return stop
+            return True
+        if req is not None and self.retracting:
+            req.retracted = True
+            return True
+        return False
 
     def generate(self, req: Request, prompts: list[list[int]], body: dict) -> list[dict]:
         params, seeds = self._sampling_params(body.get("sampling_params"), len(prompts))
-        want_logprob = bool(body.get("return_logprob", False))
         start = body.get("logprob_start_len")
-        with self.lock:  # the weights' state is read under the lock that updates hold
+        score_from = int(start) if bool(body.get("return_logprob")) and start is not None and int(start) >= 0 else None
+        outs = self._run(req, prompts, params, seeds, body, score_from)
+        while req.retracted:
+            req.retracted = False
+            while self.paused and not req.aborted.is_set():  # the lock is free: weight updates run
+                req.aborted.wait(0.02)
+            if req.aborted.is_set():  # aborted while retracted: it returns what it has
+                req.stopped_early = True
+                break
+            outs = self._continue_retracted(req, prompts, outs, params, seeds, body)
+        if req.stopped_early:
+            for out in outs:
+                out["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted by request"}
+        return outs
+
+    def _run(self, req: Request, prompts: list[list[int]], params: dict, seeds: list[int] | None, body: dict,
+             score_from: int | None) -> list[dict]:
+        """One engine call under the lock (the weights' state is read under the lock updates hold)."""
+        with self.lock:
             self.check_servable()
             if req.aborted.is_set():
                 return [self._empty(p, {"type": "abort", "message": "aborted before it ran"}) for p in prompts]
@@ -176,16 +211,31 @@ class EngineService:
                 if int(params["max_new_tokens"]) == 0:
                     outs = [self._empty(p, {"type": "length", "length": 0}) for p in prompts]
                 else:
-                    outs = self.engine.generate(prompts, params, return_logprob=want_logprob, seeds=seeds,
+                    outs = self.engine.generate(prompts, params, return_logprob=bool(body.get("return_logprob")),
+                                                seeds=seeds,
                                                 return_routed_experts=bool(body.get("return_routed_experts")))
-                if want_logprob and start is not None and int(start) >= 0:
-                    self._score_all(req, outs, prompts, int(start))
+                if score_from is not None:
+                    self._score_all(req, outs, prompts, score_from)
+                return outs
             finally:
                 self.current = None
-        if req.stopped_early:
-            for out in outs:
-                out["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted by request"}
-        return outs
+
+    def _continue_retracted(self, req: Request, prompts: list[list[int]], outs: list[dict], params: dict,
+                            seeds: list[int] | None, body: dict) -> list[dict]:
+        """The rows a retract cut short, re-prefilled from prompt + tokens so far with the weights
+        held now; their new tokens append (one call, at the largest remaining budget)."""
+        max_new = int(params["max_new_tokens"])
+        rows = unfinished_rows(outs, max_new)
+        if not rows:
+            return outs
+        budgets = [max_new - len(outs[i]["output_ids"]) for i in rows]
+        inputs = [prompts[i] + outs[i]["output_ids"] for i in rows]
+        row_seeds = None if seeds is None else [continuation_seed(seeds[i], len(outs[i]["output_ids"])) for i in rows]
+        more = self._run(req, inputs, params | {"max_new_tokens": max(budgets)}, row_seeds, body, None)
+        merged = list(outs)
+        for i, budget, out in zip(rows, budgets, more):
+            merged[i] = merge_continuation(outs[i], out, budget, self.engine.tokenizer)
+        return merged
 
     def check_servable(self) -> None:
         """EngineUnavailable while the weights are no complete version; ValueError (the caller's

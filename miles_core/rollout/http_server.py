@@ -203,7 +203,7 @@ def _add_control_routes(app: FastAPI, service: EngineService) -> None:
     @app.post("/continue_generation")
     async def continue_generation(request: Request) -> dict:
         await _parse(request, ContinueGenerationReqInput)
-        service.paused = False
+        service.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

@@ -9,10 +9,11 @@ from typing import Any
 import numpy as np
 
 from miles_core.config import RolloutConfig
-from miles_core.data import Prompt, Sample
+from miles_core.data import Prompt, Sample, version_number
 from miles_core.plugins import load_optional
 from miles_core.rewards import get_reward
 from miles_core.rollout.context import run_generate_fn
+from miles_core.rollout.partial import append_segment, continuation_input, continuation_params, is_partial
 from miles_core.rollout.remote_reward import RemoteRewardClient
 
 SEED_STRIDE = 1_000_003  # more samples than one batch will ever hold
@@ -66,6 +67,36 @@ class RolloutManager:
                     sample.filtered = True
         return samples
 
+    def continue_partial(self, samples: list[Sample], seed: int) -> list[Sample]:
+        """Continue every partial sample (finish_reason abort, e.g. paused for a weight update) with
+        the weights the engines hold now: prompt + response so far is re-prefilled and the new
+        tokens, their log-probs and their weight version append (rollout.partial). Requests are
+        grouped by remaining budget (one engine call takes one max_new_tokens); each sample gets
+        a fresh seed, so its continuation does not replay the noise of its first segment. Returns
+        the samples (updated in place), the finished ones scored again."""
+        todo = [s for s in samples if is_partial(s)]
+        by_budget: dict[int, list[tuple[int, Sample]]] = {}
+        for k, sample in enumerate(todo):
+            params = continuation_params(self.sampling_params([0])[0], sample)
+            if params["max_new_tokens"] <= 0:
+                sample.finish_reason = "length"
+            else:
+                by_budget.setdefault(params["max_new_tokens"], []).append((k, sample))
+        futures = []
+        for pairs in by_budget.values():
+            group = [s for _, s in pairs]
+            seeds = [(seed * SEED_STRIDE + k) % SEED_MODULUS for k, _ in pairs]  # one per sample, as in generate
+            params = [continuation_params(p, s) for p, s in zip(self.sampling_params(seeds), group)]
+            futures.append((group, self.pool.submit(self.engines.generate, [continuation_input(s) for s in group],
+                                                    params)))
+        for group, future in futures:
+            for sample, out in zip(group, future.result()):
+                append_segment(sample, out)
+        done = [s for s in todo if not is_partial(s)]
+        if done:
+            self._score_samples(done)
+        return samples
+
     def keep_groups(self, samples: list[Sample]) -> list[bool]:
         """rollout.group_filter's verdict on each group of n (all kept without one)."""
         n = self.rollout.num_samples_per_prompt
@@ -107,6 +138,14 @@ class RolloutManager:
                     raise ValueError(f"rollout.generate, prompt {prompt.index}: {problem}")
         return [s for group in groups for s in group]
 
+    def _score_samples(self, samples: list[Sample]) -> None:
+        """Score continued samples (their prompts' metadata is not at hand: local rewards only)."""
+        if self.remote_reward is not None:
+            raise NotImplementedError("rollout.partial with rollout.remote_reward: continued samples are scored "
+                                      "without their prompts' metadata; use a local reward")
+        for sample in samples:
+            sample.reward = float(self.score(sample.response_text, sample.label))
+
     def _score(self, samples: list[Sample], prompts: list[Prompt]) -> None:
         if self.remote_reward is not None:
             by_index = {p.index: p for p in prompts}
@@ -119,9 +158,11 @@ class RolloutManager:
     def _sample(self, prompt: Prompt, out: dict[str, Any]) -> Sample:
         meta = out["meta_info"]
         logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
-        return Sample(prompt_index=prompt.index, prompt_ids=prompt.input_ids, response_ids=list(out["output_ids"]),
+        ids = list(out["output_ids"])
+        return Sample(prompt_index=prompt.index, prompt_ids=prompt.input_ids, response_ids=ids,
                       label=prompt.label, response_text=out["text"], rollout_logprobs=logprobs,
                       weight_version=str(meta["weight_version"]), finish_reason=meta["finish_reason"]["type"],
+                      token_weight_versions=[version_number(meta["weight_version"])] * len(ids),
                       routed_experts=self._routed_experts(prompt, out))
 
     def _routed_experts(self, prompt: Prompt, out: dict[str, Any]) -> np.ndarray | None:

@@ -22,7 +22,7 @@ from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.data import Sample
 from miles_core.net import init_custom_process_group, rendezvous_endpoint
 from miles_core.shared_weights import BufferHandle, SharedWeights
-from miles_core.training.batches import Batch, select_rows
+from miles_core.training.batches import Batch, mixed_version_fraction, select_rows
 from miles_core.training.data_parallel import sum_metrics_over_ranks, sum_over_ranks
 
 
@@ -171,6 +171,8 @@ class RLTrainerCore:
         train_logp = batch.get("trainer_logp", batch["old_logp"])
         metrics = {k: float(v) for k, v in algo.mismatch_metrics(train_logp, batch["rollout_logp"], mask).items()}
         metrics["rollout/train_logprob_abs_diff"] = metrics["mismatch/logprob_abs_diff"]
+        if "token_version" in batch:
+            metrics["train/mixed_version_sample_frac"] = mixed_version_fraction(batch)
         metrics["train/advantage_abs_mean"] = float((batch["advantages"].abs() * mask).sum() / mask.sum().clamp(min=1))
         if self.teacher is not None:
             metrics["opd/reverse_kl"] = float(((train_logp - batch["teacher_logp"]) * mask).sum() / mask.sum())

@@ -42,3 +42,16 @@ def test_fully_async_respects_the_staleness_bound(ray_local, tmp_path, tiny_mode
 def test_async_without_correction_is_rejected():
     with pytest.raises(ValueError, match="off-policy"):
         build_config({}, ["rollout.loop=one_step_off"])
+
+
+def test_fully_async_with_partial_rollouts_trains_every_step(ray_local, tmp_path, tiny_model_dir):
+    result = run_training(spec(tmp_path, tiny_model_dir, "rollout.loop=fully_async", "rollout.partial.enabled=true",
+                               "algorithm.correction.kind=tis", "rollout.max_new_tokens=96"))
+    assert result.steps == NUM_STEPS
+    for h in result.history:  # per-token versions reach the batch and the trainer's metrics
+        assert 0.0 <= h["rollout/mixed_version_sample_frac"] <= 1.0
+        assert h["train/mixed_version_sample_frac"] == h["rollout/mixed_version_sample_frac"]
+        assert sum(v for k, v in h.items() if k.startswith("rollout/tokens_behind_")) > 0
+        assert "rollout/partial_tokens_thrown_away" in h
+    print("mixed-version share, response length per step:",
+          [(h["rollout/mixed_version_sample_frac"], h["rollout/response_len_mean"]) for h in result.history])

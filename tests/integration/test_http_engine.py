@@ -258,6 +258,30 @@ def test_abort_all_ends_running_and_queued_requests(server, client, reference):
     assert _finish(waited) == "abort" and waited["output_ids"] == []
 
 
+def test_retract_takes_the_running_request_off_and_continues_it_with_the_new_weights(server, client, reference,
+                                                                                    target_dir):
+    prompt, params = [5, 6, 7], {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    gate = ForwardGate(server.engine.model)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(client.generate, prompt, params)
+            assert gate.entered.wait(10)  # inside its prefill: it retracts after its first token
+            client.pause("retract")
+            gate.close()
+            _wait_for(lambda: server.service.current is None)
+            time.sleep(0.2)
+            assert not running.done()  # held, not aborted: SGLang's retract
+            assert client.update_weights_from_disk(str(target_dir), weight_version="7")["success"]
+            client.resume()
+            [out] = running.result(timeout=30)
+    finally:
+        gate.close()
+    first = reference.generate([prompt], params | {"max_new_tokens": 1})[0]["output_ids"]
+    rest = EmbeddedEngine(str(target_dir), num_threads=1).generate([prompt + first], params | {"max_new_tokens": 11})
+    assert out["output_ids"] == first + rest[0]["output_ids"]
+    assert (_finish(out), out["meta_info"]["weight_version"], out["meta_info"]["completion_tokens"]) == ("length", "7", 12)
+
+
 def test_flush_cache_is_refused_while_a_batch_runs(server, client):
     client.flush_cache()
     gate = ForwardGate(server.engine.model)
