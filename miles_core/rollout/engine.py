@@ -22,6 +22,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from miles_core.lora_weights import AdapterMerger, is_adapter_payload, payload_bytes
 from miles_core.rollout.slot_decoder import (
     Finished,
     Sampling,
@@ -31,7 +32,6 @@ from miles_core.rollout.slot_decoder import (
     supports,
     warped_scores,
 )
-from miles_core.lora_weights import AdapterMerger, is_adapter_payload, payload_bytes
 from miles_core.weight_layout import fused_layout, weights_sha256
 
 # A seedless request in a seeded batch gets SGLang's deterministic-sampling default.
