@@ -15,7 +15,8 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 class LoRAConfig(Section):
     """Train rank-`rank` adapters B @ A on the target linear layers while the base weights stay frozen;
-    the layer computes W x + (alpha / rank) B A x. Present in a recipe = enabled (unless enabled: false)."""
+    the layer computes W x + (alpha / rank) B A x. Present in a recipe = enabled (unless enabled: false).
+    It applies to the RL steps; the SFT warm-up (warmup.*) trains every weight."""
 
     enabled: bool = True
     """false keeps the section in the recipe but trains every weight (full fine-tuning)."""
