@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from miles_core.lora_weights import is_adapter_payload, payload_bytes
+from miles_core.lora_weights import is_adapter_payload
 from miles_core.net import init_custom_process_group
 from miles_core.rollout.engine import EmbeddedEngine, split_sampling_params
 from miles_core.weight_layout import checkpoint_layout
@@ -242,7 +242,7 @@ class EngineService:
         MoE expert names without an error); in-process tensors may use either layout.
         An adapter payload (miles_core.lora_weights) is merged into the engine's unmerged base
         copy first."""
-        adapters, received = is_adapter_payload(tensors), payload_bytes(tensors)
+        adapters = is_adapter_payload(tensors)
         if adapters:
             try:
                 tensors = self.engine.adapters.merged(self.engine.model.state_dict(), tensors)
@@ -251,8 +251,7 @@ class EngineService:
         targets = self.resolve_targets(tensors, checkpoint_names_only)
         if isinstance(targets, str):
             return weight_result(False, targets)
-        result = self.copy_into(targets, list(tensors.values()), weight_version, flush_cache, adapters=adapters)
-        return {**result, "received_bytes": received}  # what the sync moved (weights/sync_bytes)
+        return self.copy_into(targets, list(tensors.values()), weight_version, flush_cache, adapters=adapters)
 
     def resolve_targets(self, tensors: dict[str, torch.Tensor],
                         checkpoint_names_only: bool = True) -> list[torch.Tensor] | str:
