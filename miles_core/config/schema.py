@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from miles_core.config.algorithm import GROUP_ALGORITHMS, AlgorithmConfig
 from miles_core.config.base import Section
@@ -204,7 +204,8 @@ class TrainingConfig(Section):
     fsdp: FSDPConfig = FSDPConfig()
     """FSDP2 mixed precision and activation checkpointing; ignored by the megatron backend."""
     lora: LoRAConfig | None = None
-    """Low-rank adapters on a frozen base (FSDP2 backend only); absent or enabled: false trains
+    """Low-rank adapters on a frozen base (FSDP2 backend only). `lora: {}` enables them with the
+    defaults; absent, null (what a dumped config without LoRA holds) or enabled: false trains
     every weight."""
     num_steps: int = Field(40, ge=1)
     """RL steps (rollout -> train -> weight sync) in the run."""
@@ -252,13 +253,6 @@ class TrainingConfig(Section):
         if self.backend == "megatron":
             return self.megatron.tensor_parallel_size * self.megatron.pipeline_parallel_size * self.dp
         return self.dp
-
-    @field_validator("lora", mode="before")
-    @classmethod
-    def _bare_lora_section(cls, value):
-        """`lora:` with nothing under it (YAML null) enables LoRA with its defaults; the field's
-        default (absent) is not validated, so it stays None."""
-        return {} if value is None else value
 
     @property
     def lora_enabled(self) -> bool:

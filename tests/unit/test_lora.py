@@ -35,9 +35,15 @@ def lora_trainer(tiny_model_dir):
 def test_lora_section_presence_enables_it_and_bad_values_say_how_to_fix():
     import yaml
 
-    assert build_config(yaml.safe_load("training:\n  lora:\n"), []).training.lora_enabled
+    assert build_config(yaml.safe_load("training:\n  lora: {}\n"), []).training.lora_enabled
+    # null is off: a dumped config without LoRA must validate back to the same config
+    assert not build_config(yaml.safe_load("training:\n  lora:\n"), []).training.lora_enabled
     assert not build_config({}, []).training.lora_enabled
     assert not build_config({}, ["training.lora.enabled=false"]).training.lora_enabled
+    from miles_core.config import RunConfig
+
+    for cfg in (build_config({}, []), build_config({}, ["training.lora.rank=4"])):
+        assert RunConfig.model_validate(cfg.model_dump()) == cfg  # resolved configs round-trip
     with pytest.raises(ConfigError, match="fsdp2 backend only.*set training.backend=fsdp2"):
         build_config({}, ["training.backend=megatron", "training.lora.rank=4"])
     build_config({}, ["training.backend=megatron", "training.lora.enabled=false"])  # off: no refusal
