@@ -40,8 +40,10 @@ RECIPE = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 
 
 def push_weights(trainer: FSDPTrainer, engine: EmbeddedEngine, version: str) -> None:
-    """The trainer's full weights under HF names, loaded into the engine in place."""
-    result = engine.update_weights_from_tensors(trainer.hf_state_dict(to_cpu=True), version)
+    """The trainer's full weights under HF names, loaded into the engine in place; with
+    training.lora only the adapters, which the engine merges into its base copy."""
+    state = trainer.adapter_state_dict() if trainer.lora is not None else trainer.hf_state_dict(to_cpu=True)
+    result = engine.update_weights_from_tensors(state, version)
     assert result["success"], result["message"]
 
 
@@ -51,7 +53,9 @@ def sft_warmup(cfg: RunConfig, model_dir: Path, prompts, engine: EmbeddedEngine,
     wrong, and the recipe's RL settings are tuned for a start near that level."""
     w = cfg.warmup
     probe, train = prompts[: w.num_probe_prompts], prompts[w.num_probe_prompts :]  # the task file is shuffled
-    training = cfg.training.model_copy(update={"lr": w.lr, "lr_warmup_steps": 0})
+    # The warm-up trains every weight (training.lora is the RL stage's): it builds the base the
+    # adapters then adapt, starting from random weights for the built-in model.
+    training = cfg.training.model_copy(update={"lr": w.lr, "lr_warmup_steps": 0, "lora": None})
     trainer = FSDPTrainer(str(model_dir), training, AlgorithmConfig(name="sft"), seed=cfg.seed)  # SFT loss only
     samples, rng = sft_samples(train, trainer.tokenizer), random.Random(cfg.seed)
     target = w.target_pass_at_1 or float("inf")  # None: train all sft_steps

@@ -23,6 +23,11 @@ engine before tensor parallelism: 2 B per parameter in bf16; with rollout.precis
 decoder layer's linear projections take 1 B per element plus a float32 scale per 128x128 block
 (miles_core/quantization.py), the rest (embeddings, norms, router, lm_head) stays 2 B.
 
+With training.lora: the base is frozen (weights 4 B per parameter, no gradients, no optimizer
+states) and the adapters train (4 + 4 + 8 B per adapter parameter, r (in + out) per adapted
+dense linear layer, sharded by FSDP2 like the rest); the adapters' own activations (r per token
+and layer) are not counted.
+
 Not counted: CUDA context and allocator fragmentation (a few GiB), FSDP2's gathered copy of
 the layer being computed, the eager path's fp32
 logits chunk (256 MB), communication buffers, and the rollout engines (SGLang sizes its own
@@ -33,7 +38,7 @@ separately, per phase, where they share the trainer's GPUs (phase_peaks).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from miles_core.config import ModelConfig, RunConfig
@@ -196,6 +201,26 @@ def model_dims(model: ModelConfig) -> ModelDims | None:
     return None
 
 
+def lora_parameter_count(d: ModelDims, modules: list[str], rank: int) -> int:
+    """Adapter parameters of the whole model: r (in + out) per adapted linear layer. MoE experts
+    are fused tensors, not linear layers, so only a dense model's MLP projections count."""
+    q_out, kv_out = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    mlp = 0 if d.num_experts else d.intermediate_size
+    shapes = {"q_proj": (d.hidden_size, q_out), "k_proj": (d.hidden_size, kv_out), "v_proj": (d.hidden_size, kv_out),
+              "o_proj": (q_out, d.hidden_size), "gate_proj": (d.hidden_size, mlp), "up_proj": (d.hidden_size, mlp),
+              "down_proj": (mlp, d.hidden_size)}
+    per_layer = sum(rank * sum(shapes[m]) for m in modules if m in shapes and all(shapes[m]))
+    return d.num_layers * per_layer
+
+
+def with_lora(est: MemoryEstimate, adapter_params: int, fsdp: int) -> MemoryEstimate:
+    """The policy's weights become frozen and its adapters the trainable parameters (no critic:
+    a LoRA run trains one model)."""
+    adapters = -(-adapter_params // fsdp)
+    return replace(est, weights_bytes=adapters * PARAM_BYTES, grads_bytes=adapters * GRAD_BYTES,
+                   optimizer_bytes=adapters * ADAM_BYTES, frozen_bytes=est.frozen_bytes + est.weights_bytes)
+
+
 def trainer_layout(cfg: RunConfig) -> Layout:
     t = cfg.training
     if t.backend == "megatron":
@@ -215,8 +240,13 @@ def estimate_for_config(cfg: RunConfig) -> MemoryEstimate | None:
     frozen = int(objectives.needs_reference(a)) + int(a.effective_opd_coef > 0)
     seq_tokens = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     element_bytes = 2 if cfg.training.gpus_per_trainer > 0 else 4
-    return estimate(dims, trainer_layout(cfg), cfg.training.micro_batch_size, seq_tokens, element_bytes,
-                    trainable_models=1 + int(a.uses_critic), frozen_models=frozen)
+    layout = trainer_layout(cfg)
+    est = estimate(dims, layout, cfg.training.micro_batch_size, seq_tokens, element_bytes,
+                   trainable_models=1 + int(a.uses_critic), frozen_models=frozen)
+    if cfg.training.lora_enabled:
+        lora = cfg.training.lora
+        est = with_lora(est, lora_parameter_count(dims, lora.modules, lora.rank), layout.fsdp)
+    return est
 
 
 def projection_shapes(d: ModelDims) -> list[tuple[int, int]]:
@@ -280,10 +310,11 @@ def describe_estimate(cfg: RunConfig) -> list[tuple[str, str]]:
     layout = trainer_layout(cfg)
     return [
         ("parameters", f"{_count(est.params_total)} in the model, {_count(est.params_per_gpu)} on each GPU"),
-        ("weights (fp32)", _size(est.weights_bytes)),
+        ("weights (fp32)" if not cfg.training.lora_enabled else "LoRA adapters (fp32)", _size(est.weights_bytes)),
         ("gradients (fp32)", _size(est.grads_bytes)),
         ("optimizer (AdamW m, v fp32)", _size(est.optimizer_bytes)),
-        ("frozen copies (reference/teacher)", _size(est.frozen_bytes)),
+        ("frozen copies (reference/teacher" + (", LoRA base)" if cfg.training.lora_enabled else ")"),
+         _size(est.frozen_bytes)),
         ("activations", f"{_size(est.activation_bytes)} (micro-batch {cfg.training.micro_batch_size} x {seq_tokens} "
                         f"tokens at most, recompute {'on' if layout.recompute else 'off'})"),
         ("total per trainer GPU", f"{_size(est.total_bytes)} (+ CUDA context and fragmentation)"),

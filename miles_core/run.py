@@ -137,7 +137,8 @@ class TrainingRun:
             transport = make_transport(cfg.rollout.weight_transport, run_dir / "weight_sync",
                                        cfg.rollout.verify_weight_sync, ranks_per_engine=engines.tp_size,
                                        api_key=engines.api_key, engine_dtype=cfg.model.dtype,
-                                       precision=cfg.rollout.precision)
+                                       precision=cfg.rollout.precision,
+                                       adapters_only=cfg.training.lora_enabled)
             evaluator = PeriodicEvaluator(cfg, model_dir, eval_path, trainer, run_dir, tokenizer)
         except BaseException:  # what did start must not hold its CPUs/GPUs for the retry
             if engines is not None:

@@ -80,7 +80,9 @@ def run_sft_warmup(cfg: RunConfig, model_dir: str, prompts: list[Prompt], tokeni
     (stopping early at warmup.target_pass_at_1); save the result as an HF directory."""
     w = cfg.warmup
     train_prompts, probe_prompts = split_probe(cfg, prompts)
-    training = cfg.training.model_copy(update={"lr": w.lr, "lr_warmup_steps": 0})
+    # The warm-up trains every weight (training.lora is the RL stage's): it builds the base the
+    # adapters then adapt, starting from random weights for the built-in model.
+    training = cfg.training.model_copy(update={"lr": w.lr, "lr_warmup_steps": 0, "lora": None})
     actor_cls = ray.remote(num_cpus=cfg.training.cpus_per_trainer, num_gpus=cfg.training.gpus_per_trainer)(FSDPTrainer)
     # SFT needs no critic, reference or teacher, whatever the RL objective after it
     trainer = actor_cls.remote(model_dir, training, AlgorithmConfig(name="sft"), seed=cfg.seed)

@@ -46,21 +46,26 @@ def _check(results: list[dict], version: int) -> None:
 
 class ObjectStoreTransport:
     """Full state dict through Ray's object store: one put, every engine reads it (zero copy
-    on the same node). The default for embedded engines on CPU."""
+    on the same node). The default for embedded engines on CPU. adapters_only (training.lora):
+    only the LoRA adapters travel and each engine merges them into its base copy
+    (miles_core.lora_weights)."""
 
-    def __init__(self, verify: bool = False, **_: Any):
-        self.verify = verify
+    def __init__(self, verify: bool = False, adapters_only: bool = False, **_: Any):
+        self.verify, self.adapters_only = verify, adapters_only
 
     def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
         import ray
 
         started = time.perf_counter()
-        state_ref = trainer.hf_state_dict.remote(True)  # host memory: the object store is shared by processes
-        _check(ray.get([actor.update_weights_from_tensors.remote(state_ref, str(version)) for actor, _ in targets]),
-               version)
+        # host memory: the object store is shared by processes
+        state_ref = trainer.adapter_state_dict.remote() if self.adapters_only else trainer.hf_state_dict.remote(True)
+        results = ray.get([actor.update_weights_from_tensors.remote(state_ref, str(version)) for actor, _ in targets])
+        _check(results, version)
         if self.verify:
             _verify(trainer, targets, version)
-        return {"weights/sync_seconds": time.perf_counter() - started}
+        # bytes each engine received (what one engine's sync moves), as the engine counted them
+        return {"weights/sync_seconds": time.perf_counter() - started,
+                "weights/sync_bytes": float(max(r.get("received_bytes", 0) for r in results))}
 
 
 class SharedMemoryTransport:
@@ -202,14 +207,17 @@ def broadcast_rank_layout(num_engines: int, ranks_per_engine: int) -> tuple[list
 
 
 def make_transport(config: TransportConfig, sync_dir: str | Path, verify: bool, ranks_per_engine: int = 1,
-                   api_key: str | None = None, engine_dtype: str = "float32", precision: str = "bf16") -> WeightTransport:
+                   api_key: str | None = None, engine_dtype: str = "float32", precision: str = "bf16",
+                   adapters_only: bool = False) -> WeightTransport:
     """The transport that a `rollout.weight_transport` config names; disk syncs write under
     sync_dir, broadcast groups give each engine ranks_per_engine ranks, api_key is the
     engines' (EngineGroup.api_key), and a shared buffer holds weights in engine_dtype.
     precision=fp8 (rollout.precision): the broadcast sends block-FP8 linears (the only
-    transport that does; config validation refuses the others)."""
+    transport that does; config validation refuses the others). adapters_only
+    (training.lora): the object store carries the adapters alone; the other transports carry
+    the merged weights (full size) until they learn adapters."""
     if config.kind == "object_store":
-        return ObjectStoreTransport(verify=verify)
+        return ObjectStoreTransport(verify=verify, adapters_only=adapters_only)
     if config.kind == "shared_memory":
         return SharedMemoryTransport(engine_dtype, verify=verify)
     if config.kind == "disk":

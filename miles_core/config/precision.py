@@ -63,6 +63,9 @@ def _fp8_training_fits(cfg: RunConfig) -> None:
     if t.gpus_per_trainer <= 0:
         raise ValueError("training.fp8 needs FP8 matmuls, which only GPUs (Hopper or newer) have: set "
                          "training.gpus_per_trainer >= 1 or training.fp8=false")
+    if t.lora_enabled:  # torchao would convert the frozen base inside peft's LoRA layers: never run
+        raise ValueError("training.fp8 with training.lora is not supported (FP8 base layers under LoRA adapters have "
+                         "not been built or checked): set training.fp8=false or drop training.lora")
 
 
 def _fp8_weights_can_travel(cfg: RunConfig) -> None:

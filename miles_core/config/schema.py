@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from miles_core.config.algorithm import GROUP_ALGORITHMS, AlgorithmConfig
 from miles_core.config.base import Section
+from miles_core.config.lora import LoRAConfig
 from miles_core.config.precision import check_precision
 from miles_core.config.rollout import RolloutConfig
 
@@ -203,6 +204,10 @@ class TrainingConfig(Section):
     """Megatron-LM parallel layout and memory options; ignored by the fsdp2 backend."""
     fsdp: FSDPConfig = FSDPConfig()
     """FSDP2 mixed precision and activation checkpointing; ignored by the megatron backend."""
+    lora: LoRAConfig | None = None
+    """Low-rank adapters on a frozen base (FSDP2 backend only). `lora: {}` enables them with the
+    defaults; absent, null (what a dumped config without LoRA holds) or enabled: false trains
+    every weight."""
     num_steps: int = Field(40, ge=1)
     """RL steps (rollout -> train -> weight sync) in the run."""
     lr: float = Field(1e-3, gt=0)
@@ -253,6 +258,20 @@ class TrainingConfig(Section):
         if self.backend == "megatron":
             return self.megatron.tensor_parallel_size * self.megatron.pipeline_parallel_size * self.dp
         return self.dp
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora is not None and self.lora.enabled
+
+    @model_validator(mode="after")
+    def _lora_on_fsdp2(self) -> TrainingConfig:
+        # megatron-core 0.16 has no LoRA of its own (Megatron-Bridge's PEFT is a separate package);
+        # a second, hand-written LoRA on Megatron's parallel layers is not worth its upkeep.
+        if self.lora_enabled and self.backend == "megatron":
+            raise ValueError("training.lora is implemented for the fsdp2 backend only (megatron-core has no "
+                             "LoRA of its own): set training.backend=fsdp2, or remove training.lora "
+                             "(or set training.lora.enabled=false) to train all weights with Megatron")
+        return self
 
     @model_validator(mode="after")
     def _data_parallel_fits(self) -> TrainingConfig:

@@ -23,6 +23,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from miles_core.lora_weights import AdapterMerger, is_adapter_payload, payload_bytes
 from miles_core.rollout.slot_decoder import (
     Finished,
     Sampling,
@@ -89,6 +90,8 @@ class EmbeddedEngine:
             if not param.untyped_storage().resizable():  # memory of their own, which release_memory can free
                 param.data = param.data.clone()
         self.weight_version = "default"  # SGLang's before any update
+        # LoRA syncs merge into the weights; this keeps the unmerged copy they merge from.
+        self.adapters = AdapterMerger()
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         # Checked between decode steps: True ends the running call with what each sequence has
@@ -110,7 +113,21 @@ class EmbeddedEngine:
                       if use_slots else None)
 
     def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:
-        """HF-named weights in either MoE expert layout (see miles_core.weight_layout)."""
+        """HF-named weights in either MoE expert layout (see miles_core.weight_layout), or an
+        adapter payload (miles_core.lora_weights), merged into the unmerged base copy."""
+        if is_adapter_payload(named_tensors):
+            try:
+                merged = self.adapters.merged(self.model.state_dict(), named_tensors)
+            except KeyError as exc:
+                return {"success": False, "message": str(exc)}
+            with torch.no_grad():
+                live = self.model.state_dict()
+                for name, tensor in merged.items():
+                    live[name].copy_(tensor)
+            self.weight_version = str(weight_version)
+            return {"success": True, "message": f"merged {len(merged)} adapted weights at version {weight_version}",
+                    "received_bytes": payload_bytes(named_tensors)}
+        self.adapters.forget()
         if any(name.endswith("mlp.experts.gate_up_proj") for name, _ in self.model.named_parameters()):
             named_tensors = fused_layout(named_tensors)
         missing, unexpected = self.model.load_state_dict(named_tensors, strict=False)
@@ -118,7 +135,8 @@ class EmbeddedEngine:
         if missing or unexpected:
             return {"success": False, "message": f"missing={missing[:5]} unexpected={unexpected[:5]}"}
         self.weight_version = str(weight_version)
-        return {"success": True, "message": f"weights at version {weight_version}"}
+        return {"success": True, "message": f"weights at version {weight_version}",
+                "received_bytes": payload_bytes(named_tensors)}
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """SGLang's /release_memory_occupation: tags among "weights", "kv_cache" (None: all;

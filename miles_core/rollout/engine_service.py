@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from miles_core.lora_weights import is_adapter_payload
 from miles_core.net import init_custom_process_group
 from miles_core.rollout.engine import EmbeddedEngine, split_sampling_params
 from miles_core.rollout.retract import continuation_seed, merge_continuation, unfinished_rows
@@ -288,11 +289,19 @@ class EngineService:
                      flush_cache: bool = True, checkpoint_names_only: bool = True) -> dict:
         """Copy (a subset of) HF-named tensors into the live model. Callers hold self.lock.
         Over HTTP only checkpoint names are taken (SGLang's loaders skip transformers' fused
-        MoE expert names without an error); in-process tensors may use either layout."""
+        MoE expert names without an error); in-process tensors may use either layout.
+        An adapter payload (miles_core.lora_weights) is merged into the engine's unmerged base
+        copy first."""
+        adapters = is_adapter_payload(tensors)
+        if adapters:
+            try:
+                tensors = self.engine.adapters.merged(self.engine.model.state_dict(), tensors)
+            except KeyError as exc:
+                return weight_result(False, str(exc))
         targets = self.resolve_targets(tensors, checkpoint_names_only)
         if isinstance(targets, str):
             return weight_result(False, targets)
-        return self.copy_into(targets, list(tensors.values()), weight_version, flush_cache)
+        return self.copy_into(targets, list(tensors.values()), weight_version, flush_cache, adapters=adapters)
 
     def resolve_targets(self, tensors: dict[str, torch.Tensor],
                         checkpoint_names_only: bool = True) -> list[torch.Tensor] | str:
@@ -312,8 +321,9 @@ class EngineService:
 
     @torch.no_grad()
     def copy_into(self, targets: list[torch.Tensor], sources: list[torch.Tensor], weight_version: str | None,
-                  flush_cache: bool = True) -> dict:
+                  flush_cache: bool = True, adapters: bool = False) -> dict:
         """One fused copy of resolved sources into their targets. Callers hold self.lock.
+        A write of full weights (not merged adapters) replaces the base adapters merge into.
         Inside a weight-update session a write with flush_cache=false is a bucket with more to
         come (senders flush once, after the last bucket), so the weights stay marked incomplete
         and the version unchanged until that last bucket; outside one, every write is whole."""
@@ -322,6 +332,8 @@ class EngineService:
         final = flush_cache or self.weight_update_selector is None
         # Marked before the copy: a copy that raises part-way leaves a mix, and says so.
         self.weights_incomplete = self.weights_incomplete or f"an update to weight version {weight_version} is loading"
+        if not adapters:
+            self.engine.adapters.forget()
         try:
             torch._foreach_copy_(targets, sources)
         except BaseException as exc:

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from miles_core.lora_weights import payload_bytes
 from miles_core.rollout.engine import EmbeddedEngine
 from miles_core.rollout.engine_service import EngineService, EngineUnavailable, weight_result
 from miles_core.rollout.engine_service import Request as InFlight
@@ -298,7 +299,9 @@ class ServerHandle:
         """In-process tensors (the object-store transport), loaded under the engine lock so that
         a generation in progress finishes on the old weights."""
         with self.service.lock:
-            return self.service.load_tensors(named_tensors, weight_version, checkpoint_names_only=False)
+            result = self.service.load_tensors(named_tensors, weight_version, checkpoint_names_only=False)
+        # What this sync moved (weights/sync_bytes); in-process only, so SGLang's HTTP answers keep their shape.
+        return {**result, "received_bytes": payload_bytes(named_tensors)}
 
     def map_shared_weights(self, handle: BufferHandle) -> dict:
         """Map the trainer's shared weight buffer (the shared-memory transport) and resolve,

@@ -22,7 +22,7 @@ from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.config.schema import FSDPConfig
 from miles_core.data import Sample
 from miles_core.net import free_port
-from miles_core.training import state_io
+from miles_core.training import lora, state_io
 from miles_core.training.batches import pad_batch
 from miles_core.training.core import RLTrainerCore
 from miles_core.training.data_parallel import rank_micro_batches
@@ -139,10 +139,16 @@ class FSDPTrainer(RLTrainerCore):
         self.training, self.algorithm, self.group_size = training, algorithm, group_size
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = _shard(self._load(AutoModelForCausalLM, model_dir), training.fsdp,
-                            training.compile_decoder_layers, training.fp8).train()
+        self.model_dir = model_dir
+        self.lora = training.lora if training.lora_enabled else None
+        policy = self._load(AutoModelForCausalLM, model_dir)
+        if self.lora is not None:  # adapters before sharding: FSDP2 shards A and B with their layer
+            policy = lora.inject(policy, self.lora)
+        self.model = _shard(policy, training.fsdp, training.compile_decoder_layers, training.fp8).train()
         self.tied = bool(self.model.config.tie_word_embeddings)
-        self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), training.lr)
+        # Frozen parameters get no optimizer state (with LoRA: only the adapters do).
+        self.optimizer, self.scheduler = self._optimizer(
+            [p for p in self.model.parameters() if p.requires_grad], training.lr)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         if algorithm.uses_critic:
             # classifier_dropout: transformers' token-classification head adds dropout 0.1 by default,
@@ -243,7 +249,8 @@ class FSDPTrainer(RLTrainerCore):
     # ---- weights out ------------------------------------------------------------------------
     def _full_weights(self) -> dict[str, torch.Tensor]:
         """On every rank (the reference refresh needs them everywhere)."""
-        return state_io.full_weights(self.model, to_cpu=False)
+        state = state_io.full_weights(self.model, to_cpu=False)
+        return state if self.lora is None else lora.merged_weights(state, self.lora)
 
     @_resident
     def hf_state_dict(self, to_cpu: bool | None = None) -> dict[str, torch.Tensor]:
@@ -251,7 +258,13 @@ class FSDPTrainer(RLTrainerCore):
         unless to_cpu (default: only when training on CPU). A collective: with to_cpu only
         rank 0 receives them (the others get an empty dict)."""
         to_cpu = not torch.cuda.is_available() if to_cpu is None else to_cpu
-        return state_io.full_weights(self.model, drop_tied_head=self.tied, to_cpu=to_cpu)
+        state = state_io.full_weights(self.model, drop_tied_head=self.tied, to_cpu=to_cpu)
+        return state if self.lora is None else lora.merged_weights(state, self.lora)
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapter sync's payload (miles_core.lora_weights) on the CPU; {} without LoRA. A
+        collective when sharded."""
+        return {} if self.lora is None else lora.adapter_payload(self.model, self.lora)
 
     @_resident
     def weights_sha256(self) -> str:
@@ -260,16 +273,22 @@ class FSDPTrainer(RLTrainerCore):
     def _weights_to_share(self) -> dict[str, torch.Tensor]:
         """On one rank each parameter's local shard is the whole tensor: views, no gather, no
         copy (the state-dict API costs tens of ms per sync on a 0.6B model)."""
-        if self.world > 1:
+        if self.world > 1 or self.lora is not None:  # LoRA: merged weights under HF names
             return self.hf_state_dict(to_cpu=False)
         return {name: (p.to_local() if isinstance(p, DTensor) else p).detach()
                 for name, p in self.model.named_parameters()}
 
     @_resident
     def export_hf(self, out_dir: str | Path) -> Path:
-        """Save a standalone HF directory (config, safetensors weights, tokenizer)."""
+        """Save a standalone HF directory (config, safetensors weights, tokenizer). With LoRA the
+        weights are merged (what eval, the registry and SGLang load) and `adapter/` holds the
+        adapters alone in PEFT's layout."""
         out_dir = Path(out_dir)
         state = self.hf_state_dict(to_cpu=True)  # a collective; rank 0 writes
+        if self.lora is not None:
+            adapter = lora.adapter_params(self.model)  # a collective too
+            if self.rank == 0:
+                lora.save_adapter(out_dir / "adapter", adapter, self.lora, self.model_dir)
         if self.rank != 0:
             return out_dir
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -118,3 +118,29 @@ def test_plan_rows_show_each_sides_precision_and_the_fp8_saving():
     assert f"{saved / GIB:.2f} GiB less than bf16" in rows["engine weights"]
     bf16_rows = dict(precision_rows(load_config(REPO / "configs/qwen3-4b-grpo-dapo.yaml")))
     assert "less than" not in bf16_rows["engine weights"]
+
+
+def test_lora_counts_adapters_trainable_and_the_base_frozen(tiny_model_dir):
+    from miles_core.config import RunConfig, build_config
+    from miles_core.config.lora import ALL_LINEAR, LoRAConfig
+    from miles_core.memory import lora_parameter_count, model_dims, with_lora
+
+    # per layer, r (in + out): q 4*(64+64) = 512, k and v 4*(64+32) = 384 each, o 512,
+    # gate and up 4*(64+128) = 768 each, down 768 -> 4096; two layers -> 8192
+    assert lora_parameter_count(DENSE, list(ALL_LINEAR), 4) == 8192
+    assert lora_parameter_count(DENSE, ["q_proj", "v_proj"], 4) == 2 * (512 + 384)
+    full = estimate(DENSE, Layout(), 1, 8)
+    est = with_lora(full, 8192, fsdp=2)
+    assert (est.weights_bytes, est.grads_bytes, est.optimizer_bytes) == (4096 * 4, 4096 * 4, 4096 * 8)
+    assert est.frozen_bytes == full.weights_bytes  # the whole base, frozen
+    # the count is what peft really adds to the built-in model
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles_core.training.lora import inject, trainable_counts
+
+    model = inject(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), LoRAConfig(rank=4))
+    assert trainable_counts(model)[0] == lora_parameter_count(model_dims(RunConfig().model), list(ALL_LINEAR), 4)
+    cfg = build_config({}, ["training.lora.rank=4"])
+    assert estimate_for_config(cfg).optimizer_bytes < estimate_for_config(RunConfig()).optimizer_bytes / 10
+    assert any("LoRA base" in what for what, _ in describe_estimate(cfg))

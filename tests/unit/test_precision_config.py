@@ -48,6 +48,8 @@ def test_training_fp8_is_fsdp2_on_gpus_only():
     with pytest.raises(ConfigError, match="only GPUs"):
         build_config({}, ["training.fp8=true"])
     assert build_config({}, ["training.fp8=true", "training.gpus_per_trainer=1"]).training.fp8
+    with pytest.raises(ConfigError, match="training.fp8 with training.lora is not supported"):
+        build_config({}, ["training.fp8=true", "training.gpus_per_trainer=1", "training.lora.rank=4"])
 
 
 @pytest.mark.parametrize("transport", ["disk", "cuda_ipc"])
