@@ -26,7 +26,7 @@ SECRET_STEMS = (r"token(?!s|iz)", "secret", "passw", "pwd", "passphrase", "crede
                 r"api[_.\-]?key", r"access[_.\-]?key", "signature", "cookie")
 SECRET_WORDS = frozenset({"key", "keys", "sig"})
 # The schema's own fields that have such a word and hold no secret.
-NOT_SECRET = frozenset({"num_key_value_heads", "prompt_key", "label_key"})
+NOT_SECRET = frozenset({"num_key_value_heads", "prompt_key", "label_key", "solution_key"})
 
 _STEM = re.compile("|".join(SECRET_STEMS))
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+")
