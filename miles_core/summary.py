@@ -8,19 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
-from miles_core.artifacts import Dataset
+from miles_core.artifacts import Dataset, StageResult
 from miles_core.redaction import redact
 
 SUMMARY_FILE = "summary.json"
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class HeldOutScores(_Record):
+class HeldOutScores(StageResult):
     before: float
     """Held-out pass@1 of the model RL started from."""
     after: float
@@ -29,7 +23,7 @@ class HeldOutScores(_Record):
     """Held-out prompts scored (None where the evaluator did not say, e.g. external commands)."""
 
 
-class WarmupRecord(_Record):
+class WarmupRecord(StageResult):
     sft_steps: int
     """SFT warm-up steps trained (0: none)."""
     probe_pass_at_1: float | None = None
@@ -38,14 +32,14 @@ class WarmupRecord(_Record):
     """Whether warmup.target_pass_at_1 was reached (None without a target)."""
 
 
-class MlflowRef(_Record):
+class MlflowRef(StageResult):
     tracking_uri: str
     run_id: str
     model_name: str
     """Registered model the run's export became a version of."""
 
 
-class RunSummary(_Record):
+class RunSummary(StageResult):
     run_key: str
     status: str
     """"completed" for a run that went through every stage."""
