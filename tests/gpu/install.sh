@@ -11,6 +11,8 @@ case "$(basename "$set_dir")" in
   *) target=/tmp/site ;;
 esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$set_dir"/*.whl
+# pip --target leaves Ray's own executables without their mode bits
+if [ -d "$target/ray/core/src" ]; then find "$target/ray/core/src" -type f \( -name gcs_server -o -name raylet \) -exec chmod +x {} +; fi
 cat >/tmp/sgl-python <<'EOF'
 #!/bin/sh
 # SGLang 0.5.17 with its own pins; its kernel wheel lacks FA3 (triton attention backend).

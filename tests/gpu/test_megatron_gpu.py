@@ -147,7 +147,7 @@ def test_routing_replay_uses_the_engine_experts_on_gpu(tmp_path_factory):
     from miles_core.rollout.engine import EmbeddedEngine
     from tests.integration import test_routing_replay as r3
 
-    dirs = r3.dirs.__wrapped__(tmp_path_factory)
+    dirs = r3.build_moe_dirs(tmp_path_factory.mktemp("r3"))
     engine = EmbeddedEngine(str(dirs["moe"]), num_threads=1, slot_decoding=False)
     samples = r3._rollout_samples(engine, as_sglang=True)
     expected, real = r3._expected_maps(samples)

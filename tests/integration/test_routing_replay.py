@@ -36,25 +36,30 @@ ROUTER_NOISE = 0.1
 EXPERT_STD = 0.2
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory) -> dict[str, Path]:
+def build_moe_dirs(root: Path, hidden_size: int = 96, moe_intermediate_size: int = 32) -> dict[str, Path]:
+    """A dense tiny model (for its tokenizer) and a tiny Qwen3-MoE of NUM_EXPERTS experts, top-k
+    TOP_K, 4 attention heads of hidden_size / 4."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    root = tmp_path_factory.mktemp("r3")
-    dense = build_tiny_model(TinyModelConfig(), root / "dense")
+    dense = build_tiny_model(TinyModelConfig(hidden_size=hidden_size), root / "dense")
     base = json.loads((dense / "config.json").read_text())
     torch.manual_seed(7)
     moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(
         vocab_size=base["vocab_size"], hidden_size=base["hidden_size"], num_hidden_layers=NUM_LAYERS,
         num_attention_heads=base["num_attention_heads"], num_key_value_heads=base["num_key_value_heads"],
         max_position_embeddings=256, pad_token_id=base["pad_token_id"], eos_token_id=base["eos_token_id"],
-        intermediate_size=128, moe_intermediate_size=32, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K,
-        norm_topk_prob=True, head_dim=24, tie_word_embeddings=False))
+        intermediate_size=128, moe_intermediate_size=moe_intermediate_size, num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K,
+        norm_topk_prob=True, head_dim=hidden_size // base["num_attention_heads"], tie_word_embeddings=False))
     with torch.no_grad():  # experts that differ a lot, so that choosing another one shows
         for layer in moe.model.layers:
             for param in layer.mlp.experts.parameters():
                 param.normal_(std=EXPERT_STD)
     return {"dense": dense, "moe": with_tokenizer(moe, dense, root / "moe")}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    return build_moe_dirs(tmp_path_factory.mktemp("r3"))
 
 
 @pytest.fixture(scope="module")
