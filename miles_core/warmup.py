@@ -60,7 +60,9 @@ class _Probe:
         from miles_core.rollout.engine_group import embedded_server_args
 
         self.cfg, self.prompts = cfg, prompts
-        memory = embedded_server_args(cfg.rollout.engine).get("mem_fraction_static")
+        # an SGLang recipe's probe is embedded too: only an embedded engine's bounds apply to it
+        engine = cfg.rollout.engine
+        memory = embedded_server_args(engine).get("mem_fraction_static") if engine.kind == "embedded" else None
         self.engine = EmbeddedEngine(model_dir, cfg.model.dtype, cfg.training.num_threads, device=probe_device(cfg),
                                      mem_fraction_static=memory)
 

@@ -52,6 +52,18 @@ def test_warmup_stops_at_the_first_check_that_meets_the_target(ray_local, warm_t
     assert seen == [(1, None), (2, result.probe_pass_at_1)]
 
 
+def test_an_sglang_recipe_probes_on_an_embedded_engine(ray_local, warm_tiny, tmp_path):
+    """The probe runs in the warm-up's own process whatever rollout.engine is (an SGLang recipe's
+    warm-up once failed reading embedded-only memory bounds from the SGLang engine's config)."""
+    from miles_core.config.rollout import SGLangEngine
+
+    cfg = overridden(warm_tiny["cfg"], target_pass_at_1=0.05, check_interval_steps=2, sft_steps=50, lr=1e-6)
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": SGLangEngine()})})
+    prompts, tokenizer = prompts_of(warm_tiny)
+    result = run_sft_warmup(cfg, str(warm_tiny["warm"]), prompts, tokenizer, tmp_path / "out")
+    assert result.steps == 2 and result.reached_target
+
+
 def test_an_unreached_target_trains_every_step_and_warns(ray_local, warm_tiny, tmp_path, caplog):
     cfg = overridden(warm_tiny["cfg"], target_pass_at_1=1.0, check_interval_steps=2, sft_steps=3)
     prompts, tokenizer = prompts_of(warm_tiny)
