@@ -24,6 +24,11 @@ LOCAL_RECIPE = REPO / "configs" / "local.yaml"
 QWEN3_06B_SHAPE = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
                    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072,
                    "vocab_size": 151936, "tie_word_embeddings": True}
+# Qwen3-4B's shape (its config.json), random weights: the time-sharing recipe's model.
+QWEN3_4B_SHAPE = {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728,
+                  "vocab_size": 151936, "tie_word_embeddings": True}
+SHAPES = {"qwen3-0.6b-shape": QWEN3_06B_SHAPE, "qwen3-4b-shape": QWEN3_4B_SHAPE}
 
 
 def setup_env() -> None:
@@ -126,21 +131,21 @@ def prepare_data(work_dir: Path) -> Path:
     return train
 
 
-def _build_qwen3_06b_shape(out_dir: Path) -> Path:
+def _build_qwen3_shape(shape: dict, out_dir: Path) -> Path:
     from transformers import Qwen3Config
 
     from miles_core.tiny import build_tokenizer, save_random_model
 
     tokenizer = build_tokenizer()
-    assert len(tokenizer) <= QWEN3_06B_SHAPE["vocab_size"]  # every token id is a valid embedding row
-    config = Qwen3Config(**QWEN3_06B_SHAPE, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
+    assert len(tokenizer) <= shape["vocab_size"]  # every token id is a valid embedding row
+    config = Qwen3Config(**shape, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None, torch_dtype="float32")
     return save_random_model(config, tokenizer, out_dir, seed=0)
 
 
 def prepare_model(kind: str, work_dir: Path) -> Path:
-    """`tiny`: the built-in tiny Qwen3; `qwen3-0.6b-shape`: a random Qwen3 of the 0.6B shape.
-    Built once per work_dir (random weights are seeded, so a rebuild is identical)."""
+    """`tiny`: the built-in tiny Qwen3; `qwen3-0.6b-shape` / `qwen3-4b-shape`: a random Qwen3 of
+    that shape. Built once per work_dir (random weights are seeded, so a rebuild is identical)."""
     from miles_core.config import TinyModelConfig
     from miles_core.tiny import build_tiny_model
 
@@ -150,8 +155,8 @@ def prepare_model(kind: str, work_dir: Path) -> Path:
     log(f"building model {kind} in {out}")
     if kind == "tiny":
         return build_tiny_model(TinyModelConfig(), out)
-    if kind == "qwen3-0.6b-shape":
-        return _build_qwen3_06b_shape(out)
+    if kind in SHAPES:
+        return _build_qwen3_shape(SHAPES[kind], out)
     raise ValueError(f"unknown model {kind!r}")
 
 

@@ -4,6 +4,8 @@ loop, the weight transport), on a random Qwen3 of the 0.6B shape or the tiny mod
 
     python bench/driver_gpu.py --model qwen3-0.6b-shape --steps 4
     python bench/driver_gpu.py --engine sglang --sglang-python /tmp/sgl-python    # auto: cuda_ipc
+    python bench/driver_gpu.py --model qwen3-4b-shape --time-sharing --micro-batch 2 \
+        --set training.fsdp.activation_checkpointing=true        # issue 40: 4B full-parameter on one GPU
 
 Prints one JSON line: the step-time breakdown (rollout, train, weight sync) per step and the
 median over the steps after the first (the first compiles and warms caches).
@@ -34,22 +36,40 @@ from _common import (
 BREAKDOWN = ("time/step_seconds", "time/rollout_seconds", "time/rollout_wait_seconds", "time/train_seconds",
              "weights/sync_seconds", "weights/shared_write_seconds", "weights/shared_load_seconds",
              "rollout/tokens_per_second", "train/tokens_per_second", "rollout/train_logprob_abs_diff",
-             "rollout/reward_mean", "train/loss")
+             "rollout/reward_mean", "train/loss",
+             # placement.time_sharing: the trainer's offload/onload and the engine's release/resume
+             "time/offload_seconds", "time/onload_seconds", "time/engine_release_seconds",
+             "time/engine_resume_seconds", "time_sharing/offloaded_gib", "memory/train_peak_gib")
 
 
-def sglang_overrides(engine: str, python: str | None) -> list[str]:
+def sglang_overrides(engine: str, python: str | None, time_sharing: bool) -> list[str]:
     """A real SGLang server per engine actor, with the one-GPU recipe's args (the carried kernel
-    wheel has no FA3: triton attention)."""
+    wheel has no FA3: triton attention); time-sharing releases its memory, hence the saver."""
     if engine != "sglang":
         return []
     python_field = f", python: {python}" if python else ""
+    saver = ", enable_memory_saver: true" if time_sharing else ""
     return ["rollout.engine={kind: sglang" + python_field + ", server_args: {attention_backend: triton, "
-            "sampling_backend: pytorch, grammar_backend: none, mem_fraction_static: 0.3, skip_server_warmup: true}}"]
+            "sampling_backend: pytorch, grammar_backend: none, mem_fraction_static: 0.3, skip_server_warmup: true"
+            + saver + "}}"]
+
+
+def plan_phases_gib(cfg, time_sharing: bool) -> dict | None:
+    """`miles plan`'s per-GPU peak of each phase for this layout, time-shared or not (None
+    without a GPU to share)."""
+    from miles_core.memory import phase_peaks, shares_a_gpu
+
+    placement = cfg.placement.model_copy(update={"time_sharing": time_sharing})
+    cfg = cfg.model_copy(update={"placement": placement})
+    peaks = phase_peaks(cfg) if shares_a_gpu(cfg) else None
+    if peaks is None:
+        return None
+    return {phase: getattr(peaks, phase) / 2**30 for phase in ("rollout", "train", "sync", "peak")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3-0.6b-shape", choices=["tiny", "qwen3-0.6b-shape"])
+    parser.add_argument("--model", default="qwen3-0.6b-shape", choices=["tiny", "qwen3-0.6b-shape", "qwen3-4b-shape"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
@@ -59,6 +79,9 @@ def main() -> None:
                         choices=["auto", "object_store", "shared_memory", "broadcast", "disk", "cuda_ipc"])
     parser.add_argument("--engine", default="embedded", choices=["embedded", "sglang"])
     parser.add_argument("--sglang-python", default=None, help="rollout.engine.python for --engine sglang")
+    parser.add_argument("--time-sharing", action="store_true",
+                        help="placement.time_sharing: trainer and engine take turns on the GPU (sync loop)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra dotted override")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args()
     setup_env()
@@ -77,7 +100,8 @@ def main() -> None:
         f"rollout.num_prompts_per_step={args.prompts}", f"rollout.num_samples_per_prompt={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"checkpoint.interval_steps={args.steps}",
         "rollout.request_timeout_seconds=900", *colocated_overrides(gpu, args.transport),
-        *sglang_overrides(args.engine, args.sglang_python),
+        *sglang_overrides(args.engine, args.sglang_python, args.time_sharing),
+        *(["placement.time_sharing=true"] if args.time_sharing else []), *args.overrides,
     ])
     ray.init(num_cpus=12, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=True)
     log(f"ray up: {ray.cluster_resources()}")
@@ -93,6 +117,8 @@ def main() -> None:
         run.close()
         ray.shutdown()
     steps = [{k: row[k] for k in BREAKDOWN if k in row} for row in state.history]
+    planned = {name: plan_phases_gib(cfg, shared) for name, shared in (("time_shared", True), ("unshared", False))}
+    log(f"miles plan's per-GPU phase peaks (GiB): {planned}")
     for i, row in enumerate(steps, start=1):
         log(f"step {i}: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
     warm = steps[1:] or steps
@@ -100,9 +126,11 @@ def main() -> None:
     sync = median(r["weights/sync_seconds"] for r in warm)
     print(json.dumps(rounded({
         "bench": "driver_gpu", "model": args.model, "transport": cfg.rollout.weight_transport.kind, "engine": args.engine,
+        "time_sharing": cfg.placement.time_sharing, "overrides": args.overrides,
         **gpu_identity(),
         "prompts": args.prompts, "samples": args.samples, "max_new_tokens": args.max_new_tokens,
-        "open_seconds": open_seconds, "steps": steps, "copy_floor_seconds": floor, "sync_over_copy_floor": sync / floor,
+        "open_seconds": open_seconds, "plan_phase_gib": planned,
+        "steps": steps, "copy_floor_seconds": floor, "sync_over_copy_floor": sync / floor,
         "median_after_first": {k: median(r[k] for r in warm if k in r) for k in BREAKDOWN},
     })), flush=True)
 
