@@ -51,3 +51,20 @@ class LoRAConfig(Section):
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def check_lora_engines(cfg) -> None:
+    """training.lora with rollout.engine=sglang: the engines are launched to serve adapters
+    (miles_core.rollout.sglang_args.lora_server_args fills in or checks enable_lora, max_lora_rank
+    and lora_target_modules) and each sync loads the adapter alone from a folder on the disk the
+    trainer and engines share (/load_lora_adapter), so the transport must be disk."""
+    from miles_core.rollout.sglang_args import lora_server_args
+
+    r, t = cfg.rollout, cfg.training
+    if not t.lora_enabled or r.engine.kind != "sglang":
+        return
+    if r.weight_transport.kind != "disk":
+        raise ValueError(f"training.lora with rollout.engine=sglang syncs the adapter alone, which SGLang loads from "
+                         f"a folder (/load_lora_adapter): set rollout.weight_transport=disk (or auto), not "
+                         f"{r.weight_transport.kind}")
+    r.engine.server_args = lora_server_args(r.engine.server_args, t.lora.rank, t.lora.modules)

@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from miles_core.config.algorithm import GROUP_ALGORITHMS, AlgorithmConfig
 from miles_core.config.base import Section
-from miles_core.config.lora import LoRAConfig
+from miles_core.config.lora import LoRAConfig, check_lora_engines
 from miles_core.config.precision import check_precision
 from miles_core.config.rollout import RolloutConfig
 
@@ -500,6 +500,7 @@ class RunConfig(Section):
         self._off_policy_fits()
         self._partial_fits()
         self._engines_fit()
+        check_lora_engines(self)
         self._routing_replay_fits()
         self._teacher_fits()
         self._time_sharing_fits()
@@ -676,6 +677,8 @@ def choose_transport(cfg: RunConfig) -> tuple[str, str]:
     shared_memory), so it is chosen only where no GPU is placed."""
     r, t = cfg.rollout, cfg.training
     real_sglang = r.engine.kind == "sglang" and r.engine.is_sglang
+    if r.engine.kind == "sglang" and t.lora_enabled:
+        return "disk", "training.lora: SGLang loads each adapter version from a folder (/load_lora_adapter)"
     on_gpus = t.gpus_per_trainer > 0 and r.gpus_per_engine > 0
     if (on_gpus and cfg.placement.layout == "colocated" and t.world_size == 1
             and t.gpus_per_trainer + r.num_engines * r.gpus_per_engine <= 1):

@@ -56,7 +56,7 @@ from miles_core.rollout.http_requests import (
     _sglang_error,
     _validated,
 )
-from miles_core.rollout.sglang_args import SERVER_ARGS
+from miles_core.rollout.sglang_args import LIST_ARGS, SERVER_ARGS
 from miles_core.shared_weights import BufferHandle, SharedWeights
 
 logger = logging.getLogger(__name__)
@@ -390,7 +390,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-prompts-per-request", type=int)
     parser.add_argument("--request-read-timeout", type=float)
     for key, is_flag in SERVER_ARGS.items():
-        parser.add_argument("--" + key.replace("_", "-"), action="store_true" if is_flag else "store")
+        kind = {"action": "store_true"} if is_flag else {"nargs": "*"} if key in LIST_ARGS else {}
+        parser.add_argument("--" + key.replace("_", "-"), **kind)
     args = parser.parse_args(argv)
     if int(args.tp_size or 1) != 1:  # it would join a weight-update group with one rank, not tp_size
         parser.error("--tp-size: the embedded engine runs one rank; use 1")
