@@ -14,7 +14,12 @@ torch.compile to learn about), at the price of keeping an unmerged copy of the a
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 PEFT_PREFIX = "base_model.model."  # what peft's save_pretrained puts before the HF module path
@@ -57,6 +62,30 @@ def split_peft_state(state: dict[str, torch.Tensor], scale: float,
         else:
             base[name.replace(".base_layer.", ".")] = tensor
     return base, adapters
+
+
+def read_peft_adapter(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT adapter folder (what miles_core.training.lora.save_adapter writes, or any
+    `save_pretrained` of a LoRA model) -> (its adapter_config.json, the adapter payload: HF module
+    names, the scale lora_alpha / r (rsLoRA: / sqrt(r)) folded into B). ValueError saying what is
+    wrong with a folder that is not such an adapter."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{folder} is not a PEFT adapter folder (adapter_config.json, "
+                         f"adapter_model.safetensors): {type(exc).__name__}: {exc}") from None
+    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
+        raise ValueError(f"{folder}: only plain LoRA adapters are served (peft_type LORA, no DoRA)")
+    rank = int(config["r"])
+    scale = float(config["lora_alpha"]) / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    payload = {}
+    for name, tensor in tensors.items():
+        if not name.endswith((LORA_A, LORA_B)):
+            raise ValueError(f"{folder}: {name!r} is not a LoRA factor (*{LORA_A} or *{LORA_B})")
+        payload[name.removeprefix(PEFT_PREFIX)] = tensor * scale if name.endswith(LORA_B) else tensor
+    return config, payload
 
 
 def payload_bytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -104,6 +104,13 @@ def start_trainer(cfg: RunConfig, layout: Placement, model_dir: str, teacher_dir
     return start_trainer_group(trainer_type, t.world_size, layout.trainer, bundles(cfg)[0], args, backend_kwargs)
 
 
+def _adapters_only(cfg: RunConfig) -> bool:
+    """training.lora syncs the adapters alone: through the object store to embedded engines, and
+    from disk to SGLang engines (launched to serve adapters, config.lora.check_lora_engines)."""
+    kind = cfg.rollout.weight_transport.kind
+    return cfg.training.lora_enabled and (kind != "disk" or cfg.rollout.engine.kind == "sglang")
+
+
 @dataclass
 class TrainingRun:
     """Everything one training attempt drives; `open` starts it, `close` releases it."""
@@ -138,7 +145,7 @@ class TrainingRun:
                                        cfg.rollout.verify_weight_sync, ranks_per_engine=engines.tp_size,
                                        api_key=engines.api_key, engine_dtype=cfg.model.dtype,
                                        precision=cfg.rollout.precision,
-                                       adapters_only=cfg.training.lora_enabled)
+                                       adapters_only=_adapters_only(cfg), on_adapter=engines.use_lora_adapter)
             evaluator = PeriodicEvaluator(cfg, model_dir, eval_path, trainer, run_dir, tokenizer)
         except BaseException:  # what did start must not hold its CPUs/GPUs for the retry
             if engines is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
@@ -102,16 +103,34 @@ class SharedMemoryTransport:
                 "weights/shared_load_seconds": done - written}
 
 
+def adapter_name(version: int) -> str:
+    """The name engines serve weight version `version`'s LoRA adapter under (requests' lora_path)."""
+    return f"policy-v{version}"
+
+
 class DiskTransport:
     """The trainer writes an HF safetensors directory; engines load it (`update_weights_from_disk`).
-    Needs a filesystem both sides see; keeps only the newest version on disk."""
+    Needs a filesystem both sides see; keeps only the newest version on disk.
 
-    def __init__(self, sync_dir: str, verify: bool = False, api_key: str | None = None, **_: Any):
+    adapters_only (training.lora with SGLang engines): the trainer writes its adapter alone in
+    PEFT's layout (`lora-v<version>/`), each engine loads it as `policy-v<version>`
+    (/load_lora_adapter) and takes the version; then `on_adapter(name)` makes every request name
+    it (Router.lora_path) and the names loaded before are unloaded (SGLang lets the requests
+    already admitted with them finish first). The previous version's folder stays on disk: SGLang
+    loads an unloaded adapter that a late request names again from its folder."""
+
+    def __init__(self, sync_dir: str, verify: bool = False, api_key: str | None = None, adapters_only: bool = False,
+                 on_adapter: Callable[[str], None] | None = None, **_: Any):
         self.sync_dir, self.verify, self.api_key = Path(sync_dir), verify, api_key
+        self.adapters_only, self.on_adapter = adapters_only, on_adapter
+        self.loaded: dict[Target, set[str]] = {}
+        """The adapter names each engine holds (a restarted engine is a new target, holding none)."""
 
     def push(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
         import ray
 
+        if self.adapters_only:
+            return self._push_adapter(trainer, targets, version)
         started = time.perf_counter()
         out = self.sync_dir / f"v{version:06d}"
         ray.get(trainer.export_hf.remote(str(out)))
@@ -124,6 +143,36 @@ class DiskTransport:
         if self.verify:
             _verify(trainer, targets, version)
         return {"weights/sync_seconds": time.perf_counter() - started}
+
+    def _push_adapter(self, trainer: Any, targets: list[Target], version: int) -> dict[str, float]:
+        import ray
+
+        started, name = time.perf_counter(), adapter_name(version)
+        out = self.sync_dir / f"lora-v{version:06d}"
+        ray.get(trainer.export_adapter.remote(str(out)))
+        self.loaded = {t: self.loaded.get(t, set()) for t in targets}  # engines replaced: forgotten
+
+        def load(target: Target) -> None:
+            client = SGLangClient(target[1], api_key=self.api_key)
+            if name not in self.loaded[target]:  # a push again to the same version (after a restart)
+                client.load_lora_adapter(name, str(out))
+                self.loaded[target].add(name)
+            client.update_weight_version(str(version))
+
+        def unload(target: Target) -> None:
+            for old in sorted(self.loaded[target] - {name}):
+                SGLangClient(target[1], api_key=self.api_key).unload_lora_adapter(old)
+                self.loaded[target].discard(old)
+
+        with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+            list(pool.map(load, targets))
+            if self.on_adapter is not None:
+                self.on_adapter(name)
+            list(pool.map(unload, targets))
+        for old in sorted(self.sync_dir.glob("lora-v*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        return {"weights/sync_seconds": time.perf_counter() - started,
+                "weights/sync_bytes": float(sum(f.stat().st_size for f in out.iterdir()))}
 
 
 class BroadcastTransport:
@@ -208,20 +257,22 @@ def broadcast_rank_layout(num_engines: int, ranks_per_engine: int) -> tuple[list
 
 def make_transport(config: TransportConfig, sync_dir: str | Path, verify: bool, ranks_per_engine: int = 1,
                    api_key: str | None = None, engine_dtype: str = "float32", precision: str = "bf16",
-                   adapters_only: bool = False) -> WeightTransport:
+                   adapters_only: bool = False, on_adapter: Callable[[str], None] | None = None) -> WeightTransport:
     """The transport that a `rollout.weight_transport` config names; disk syncs write under
     sync_dir, broadcast groups give each engine ranks_per_engine ranks, api_key is the
     engines' (EngineGroup.api_key), and a shared buffer holds weights in engine_dtype.
     precision=fp8 (rollout.precision): the broadcast sends block-FP8 linears (the only
     transport that does; config validation refuses the others). adapters_only
-    (training.lora): the object store carries the adapters alone; the other transports carry
-    the merged weights (full size) until they learn adapters."""
+    (training.lora): the object store carries the adapters alone, and so does disk (to SGLang
+    engines: /load_lora_adapter, then on_adapter(name) makes requests name it); the other
+    transports carry the merged weights (full size)."""
     if config.kind == "object_store":
         return ObjectStoreTransport(verify=verify, adapters_only=adapters_only)
     if config.kind == "shared_memory":
         return SharedMemoryTransport(engine_dtype, verify=verify)
     if config.kind == "disk":
-        return DiskTransport(str(sync_dir), verify=verify, api_key=api_key)
+        return DiskTransport(str(sync_dir), verify=verify, api_key=api_key, adapters_only=adapters_only,
+                             on_adapter=on_adapter)
     if config.kind == "broadcast":
         return BroadcastTransport(config.bucket_megabytes, verify=verify, ranks_per_engine=ranks_per_engine,
                                   api_key=api_key, engine_dtype=engine_dtype, precision=precision)

@@ -147,6 +147,11 @@ class EngineGroup:
         """extra: further /generate request fields, e.g. return_routed_experts=True."""
         return self.router.generate(input_ids, sampling_params, return_logprob=True, **extra)
 
+    def use_lora_adapter(self, name: str | None) -> None:
+        """Every request from now on names LoRA adapter `name` (SGLang's lora_path; None: the
+        base weights): the adapter sync calls it once every engine has loaded the new version."""
+        self.router.lora_path = name
+
     def pause(self, mode: str = "abort") -> None:
         """/pause_generation on every engine (rollout.partial: mode=abort returns running requests
         with what they have); an engine that does not answer is left to the health checks."""

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from miles_core.lora_weights import is_adapter_payload
 from miles_core.net import init_custom_process_group
 from miles_core.rollout.engine import EmbeddedEngine, split_sampling_params
+from miles_core.rollout.engine_lora import LoRAServing
 from miles_core.rollout.retract import continuation_seed, merge_continuation, unfinished_rows
 from miles_core.weight_layout import checkpoint_layout
 
@@ -62,6 +63,8 @@ class Request:
         self.stopped_early = False
         self.retracted = False
         """Its running call was cut by pause_generation(mode=retract): it continues after continue."""
+        self.adapter: str | None = None
+        """The LoRA adapter it names (`lora_path`), admitted by LoRAServing.acquire; None: the base."""
 
 
 class EngineService:
@@ -105,6 +108,8 @@ class EngineService:
         self.session_failed = False
         """A bucket of the open session failed: its later buckets would complete a mix."""
         self.warned_params: set[str] = set()
+        self.lora = LoRAServing(self.server_args)
+        """LoRA adapters by name (SGLang's --enable-lora and LoRA routes; see engine_lora)."""
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -205,6 +210,7 @@ class EngineService:
         """One engine call under the lock (the weights' state is read under the lock updates hold)."""
         with self.lock:
             self.check_servable()
+            self.lora.apply(req.adapter, self.engine.model.state_dict)
             if req.aborted.is_set():
                 return [self._empty(p, {"type": "abort", "message": "aborted before it ran"}) for p in prompts]
             self.current = req
@@ -334,6 +340,7 @@ class EngineService:
         self.weights_incomplete = self.weights_incomplete or f"an update to weight version {weight_version} is loading"
         if not adapters:
             self.engine.adapters.forget()
+            self.lora.weights_replaced()
         try:
             torch._foreach_copy_(targets, sources)
         except BaseException as exc:
@@ -393,6 +400,15 @@ class EngineService:
         if result["success"]:
             self.model_path = str(model_path)
         return result
+
+    def load_lora_adapter(self, body: dict) -> dict:
+        return self.lora.load(body["lora_name"], body["lora_path"], self.weight_shapes())
+
+    def unload_lora_adapter(self, body: dict) -> dict:
+        return self.lora.unload(body["lora_name"])
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(t.shape) for name, t in self.engine.model.state_dict().items()}
 
     def init_group(self, body: dict) -> dict:
         name = body["group_name"]

@@ -100,6 +100,18 @@ class EndWeightUpdateReqInput(SGLangStruct):
     pass
 
 
+class LoadLoRAAdapterReqInput(SGLangStruct):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False  # SGLang keeps a pinned adapter from eviction; the embedded engine evicts none
+    lora_id: str | None = None
+
+
+class UnloadLoRAAdapterReqInput(SGLangStruct):
+    lora_name: str
+    lora_id: str | None = None
+
+
 class GenerateReqInput(BaseModel):
     """The /generate fields the engine reads, as SGLang 0.5.23 admits them: its JSON contract
     (sglang/api/v1/api_types.py) takes JSON types exactly (no "5" for 5) and integers in int64."""
@@ -113,6 +125,8 @@ class GenerateReqInput(BaseModel):
     logprob_start_len: I64 | I64s | None = None
     return_routed_experts: bool = False
     stream: bool | None = None
+    lora_path: str | Annotated[list[str | None], Field(fail_fast=True)] | None = None
+    """The loaded LoRA adapter (by name) to generate with, or one per prompt; None: the base."""
 
 
 # ---- errors ------------------------------------------------------------------------------------

@@ -43,10 +43,12 @@ from miles_core.rollout.http_requests import (
     EndWeightUpdateReqInput,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
     MemoryOccupationReqInput,
     PauseGenerationReqInput,
     RequestError,
     SGLangStruct,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightVersionReqInput,
@@ -166,9 +168,11 @@ def _add_generate_routes(app: FastAPI, service: EngineService, limits: ServerLim
         try:  # tokenizing a batch of texts must not hold the event loop (health, abort)
             prompts, single = await run_in_threadpool(_prompts, obj, service.engine.tokenizer)
             rids = _rids(obj.rid, len(prompts))
+            adapter = await run_in_threadpool(service.lora.acquire, obj.lora_path, service.weight_shapes)
         except ValueError as exc:
             return _error(400, str(exc))
         req = service.register(rids)
+        req.adapter = adapter
         watcher = asyncio.create_task(_abort_when_client_leaves(request, req))
         try:
             await service.wait_unpaused(req)
@@ -181,6 +185,7 @@ def _add_generate_routes(app: FastAPI, service: EngineService, limits: ServerLim
         finally:
             watcher.cancel()
             service.unregister(req)
+            await run_in_threadpool(service.lora.release, adapter)
         for out, rid in zip(outs, rids):
             out["meta_info"].update(id=rid, cached_tokens=0, e2e_latency=time.perf_counter() - started)
         return outs[0] if single else outs
@@ -249,6 +254,18 @@ def _weight_route(service: EngineService, fn, model: type[SGLangStruct]):
     return endpoint
 
 
+def _lora_route(fn, model: type[SGLangStruct]):
+    """SGLang's LoRA routes: the body validated as `model`, `fn(body)` in a worker thread (an
+    unload waits for the requests using the adapter), its LoRAUpdateOutput answered 200 on
+    success, else 400."""
+
+    async def endpoint(request: Request) -> JSONResponse:
+        result = await run_in_threadpool(fn, (await _parse(request, model)).model_dump())
+        return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+    return endpoint
+
+
 def _add_weight_routes(app: FastAPI, service: EngineService) -> None:
     for path, fn, model in [
             ("/update_weights_from_disk", service.update_from_disk, UpdateWeightFromDiskReqInput),
@@ -258,6 +275,10 @@ def _add_weight_routes(app: FastAPI, service: EngineService) -> None:
             ("/begin_weight_update", service.begin_weight_update, BeginWeightUpdateReqInput),
             ("/end_weight_update", service.end_weight_update, EndWeightUpdateReqInput)]:
         app.add_api_route(path, _weight_route(service, fn, model), methods=["POST"])
+
+    for path, fn, model in [("/load_lora_adapter", service.load_lora_adapter, LoadLoRAAdapterReqInput),
+                            ("/unload_lora_adapter", service.unload_lora_adapter, UnloadLoRAAdapterReqInput)]:
+        app.add_api_route(path, _lora_route(fn, model), methods=["POST"])
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:

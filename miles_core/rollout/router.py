@@ -64,6 +64,9 @@ class Router:
         self._turn = itertools.count()
         self._stop = threading.Event()
         self._health_thread: threading.Thread | None = None
+        self.lora_path: str | None = None
+        """The LoRA adapter every request names (SGLang's `lora_path`, an adapter's name), set by the
+        adapter sync (miles_core.weights.DiskTransport with adapters_only); None: the base weights."""
         if health_check_interval:
             self.start_health_checks(health_check_interval)
 
@@ -99,6 +102,8 @@ class Router:
                  **extra: Any) -> list[dict[str, Any]]:
         """Same contract as SGLangClient.generate. Retried on another engine when the chosen one
         is unreachable or answers 5xx; a 4xx is the caller's error and is raised at once."""
+        if self.lora_path is not None:
+            extra.setdefault("lora_path", self.lora_path)
         tried: set[str] = set()
         last_error: Exception | None = None
         for _ in range(self.max_attempts):

@@ -103,7 +103,9 @@ class SGLangClient:
         resp = self._call("POST", path, payload, idempotent=False, timeout=timeout, ok_statuses=(400,))
         body = resp.json() if resp.content else {}
         if resp.status_code >= 400 or body.get("success") is False:
-            raise EngineError(f"{path} failed: {body.get('message', resp.text)}", resp.url, resp.status_code)
+            # LoRA routes answer SGLang's LoRAUpdateOutput: its text is `error_message`
+            message = body.get("message") or body.get("error_message") or resp.text
+            raise EngineError(f"{path} failed: {message}", resp.url, resp.status_code)
         return body
 
     # ---- generation ------------------------------------------------------------------------
@@ -270,6 +272,19 @@ class SGLangClient:
 
     def destroy_weights_update_group(self, group_name: str) -> dict:
         return self._post_result("/destroy_weights_update_group", {"group_name": group_name})
+
+    def load_lora_adapter(self, name: str, path: str, timeout_seconds: float = 600.0) -> dict:
+        """POST /load_lora_adapter: the PEFT folder at `path` (on the engine's disk) is served as
+        `name`, which a /generate names in `lora_path`. SGLang refuses (400, `error_message`) a
+        name already loaded, a rank over --max-lora-rank or modules outside --lora-target-modules.
+        The timeout is the load's own, as for update_weights_from_disk."""
+        return self._post_result("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
+                                 timeout=timeout_seconds)
+
+    def unload_lora_adapter(self, name: str, timeout_seconds: float = 600.0) -> dict:
+        """POST /unload_lora_adapter. SGLang stops admitting requests naming it at once and
+        unloads it once those already admitted have finished (the call waits for them)."""
+        return self._post_result("/unload_lora_adapter", {"lora_name": name}, timeout=timeout_seconds)
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
         return self._post_result("/update_weight_version", {"new_version": str(new_version),

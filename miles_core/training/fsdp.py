@@ -267,6 +267,17 @@ class FSDPTrainer(RLTrainerCore):
         return {} if self.lora is None else lora.adapter_payload(self.model, self.lora)
 
     @_resident
+    def export_adapter(self, out_dir: str | Path) -> Path:
+        """The LoRA adapter alone, in PEFT's layout (export_hf's `adapter/`): what the adapter sync
+        to SGLang engines loads (/load_lora_adapter). A collective when sharded; rank 0 writes."""
+        if self.lora is None:
+            raise ValueError("export_adapter needs training.lora (the trainer trains no adapter)")
+        adapter = lora.adapter_params(self.model)
+        if self.rank == 0:
+            lora.save_adapter(Path(out_dir), adapter, self.lora, self.model_dir)
+        return Path(out_dir)
+
+    @_resident
     def weights_sha256(self) -> str:
         return weights_sha256(self.hf_state_dict(to_cpu=True))
 
