@@ -67,4 +67,8 @@ def check_lora_engines(cfg) -> None:
         raise ValueError(f"training.lora with rollout.engine=sglang syncs the adapter alone, which SGLang loads from "
                          f"a folder (/load_lora_adapter): set rollout.weight_transport=disk (or auto), not "
                          f"{r.weight_transport.kind}")
+    if cfg.placement.time_sharing:
+        raise ValueError("placement.time_sharing releases the engines' weights every step, and the adapter sync to "
+                         "SGLang loads the adapter alone, never the base: set placement.time_sharing=false, or "
+                         "rollout.engine=embedded")
     r.engine.server_args = lora_server_args(r.engine.server_args, t.lora.rank, t.lora.modules)

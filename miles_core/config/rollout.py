@@ -58,7 +58,9 @@ class SGLangEngine(Section):
     """SGLang server args (e.g. {mem_fraction_static: 0.8}); one outside the table checked against
     SGLang's source (miles_core.rollout.sglang_args) is an error. tp_size defaults to
     rollout.gpus_per_engine. Rollout seeds reach SGLang's sampler only with
-    enable_deterministic_inference: true (otherwise samples are not reproducible)."""
+    enable_deterministic_inference: true (otherwise samples are not reproducible). With
+    training.lora, enable_lora, max_lora_rank (the adapter's rank) and lora_target_modules (its
+    modules) are filled in; values set here must admit the adapter, or the config is refused."""
     server_module: str = "sglang.launch_server"
     """The module run as `python -m <module>`: SGLang's server. CI runs the launcher path with
     miles_core.rollout.http_server, the embedded engine behind the same flags."""
@@ -128,7 +130,9 @@ class CudaIpcTransport(Section):
 
 
 class DiskTransport(Section):
-    """An HF safetensors directory on a disk trainer and engines share."""
+    """An HF safetensors directory on a disk trainer and engines share. With training.lora and
+    SGLang engines (the one transport they then take): the adapter alone in PEFT's layout, which
+    each engine loads by name (/load_lora_adapter as policy-v<version>)."""
 
     kind: Literal["disk"] = "disk"
 

@@ -207,7 +207,8 @@ class TrainingConfig(Section):
     lora: LoRAConfig | None = None
     """Low-rank adapters on a frozen base (FSDP2 backend only). `lora: {}` enables them with the
     defaults; absent, null (what a dumped config without LoRA holds) or enabled: false trains
-    every weight."""
+    every weight. With rollout.engine=sglang the engines serve the adapter by name (enable_lora,
+    max_lora_rank, lora_target_modules set in its server_args) and each sync loads it from disk."""
     num_steps: int = Field(40, ge=1)
     """RL steps (rollout -> train -> weight sync) in the run."""
     lr: float = Field(1e-3, gt=0)

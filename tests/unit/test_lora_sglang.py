@@ -26,6 +26,9 @@ def test_lora_fills_in_sglang_args_and_picks_the_disk_transport():
     cfg = build_config({}, [*SGLANG, *LORA])
     assert cfg.rollout.engine.server_args == SERVED  # all-linear: its names, not SGLang's "all" (lm_head too)
     assert cfg.rollout.weight_transport.kind == "disk"
+    from miles_core.config import RunConfig
+
+    assert RunConfig.model_validate(cfg.model_dump()) == cfg  # a resolved (dumped, reloaded) config validates again
     flags = server_arg_flags(cfg.rollout.engine.server_args)
     assert flags == ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", *ALL_LINEAR]
     args = parse_args(["--model-path", "m", *flags])  # the stand-in takes them as SGLang's parser does
@@ -57,6 +60,7 @@ def test_compatible_user_args_are_kept(arg, kept):
     (["rollout.engine.server_args.enable_lora=false"], "remove rollout.engine.server_args.enable_lora=false"),
     (["rollout.engine.server_args.max_loaded_loras=1"], "max_loaded_loras=1.*set it to 8 or more"),
     (["rollout.weight_transport=broadcast"], "set rollout.weight_transport=disk \\(or auto\\), not broadcast"),
+    (["placement.layout=colocated", "placement.time_sharing=true"], "set placement.time_sharing=false"),
 ])
 def test_incompatible_user_args_say_how_to_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -151,3 +155,19 @@ def test_max_loaded_loras_is_refused_not_evicted(tiny_model_dir, trained):
             client.load_lora_adapter("b", str(folder))
         client.unload_lora_adapter("a")
         assert client.load_lora_adapter("b", str(folder))["loaded_adapters"] == {"b": str(folder)}
+
+
+def test_the_router_names_the_synced_adapter_in_every_request(monkeypatch):
+    from miles_core.rollout.engine_group import EngineGroup
+    from miles_core.rollout.router import Router
+
+    sent = []
+    monkeypatch.setattr(SGLangClient, "generate", lambda self, ids, params, logprob, rid, **extra: sent.append(extra)
+                        or [{}])
+    group = EngineGroup.__new__(EngineGroup)  # use_lora_adapter reads only the router
+    group.router = Router([SGLangClient("http://a"), SGLangClient("http://b")])
+    group.router.generate([[1]], {})
+    group.use_lora_adapter("policy-v3")  # what the adapter sync calls once every engine loaded it
+    group.router.generate([[1]], {})
+    group.router.generate([[1]], {}, lora_path="other")  # a caller's own choice is kept
+    assert sent == [{}, {"lora_path": "policy-v3"}, {"lora_path": "other"}]
