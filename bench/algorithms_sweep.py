@@ -27,8 +27,8 @@ from miles_core import artifacts
 from miles_core.config import build_config
 from miles_core.data import read_prompts
 from miles_core.driver import TrainSpec, run_training
+from miles_core.engines.embedded.engine import EmbeddedEngine
 from miles_core.evaluation import evaluate_greedy
-from miles_core.rollout.engine import EmbeddedEngine
 
 REPO = Path(__file__).resolve().parents[1]
 

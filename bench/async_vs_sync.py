@@ -126,7 +126,7 @@ def plain_copy_baseline(model_dir: Path, reps: int, threads: int) -> dict:
 def in_process_push(model_dir: Path, reps: int, threads: int) -> dict:
     """The two halves of an object-store push without Ray: the trainer gathering its FSDP2
     shards into a full HF state dict, and the engine copying it into its model."""
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
     from miles_core.training.fsdp import FSDPTrainer
 
     cfg = run_config(argparse.Namespace(threads=threads), 1, [])

@@ -88,7 +88,7 @@ def main() -> None:
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from miles_core.rollout.sglang_client import SGLangClient
+    from miles_core.engines.sglang.client import SGLangClient
     from miles_core.sglang_ipc import send_weights_over_cuda_ipc
 
     config = Qwen3Config(**{**QWEN3_06B_SHAPE, "num_hidden_layers": args.layers})

@@ -113,10 +113,10 @@ class OursInProcess:
         from transformers import AutoTokenizer
 
         from miles_core.data import PromptSource, read_prompts
+        from miles_core.engines.embedded.engine import EmbeddedEngine
+        from miles_core.engines.embedded.service import memory_args
         from miles_core.evaluation import EngineAsGroup
-        from miles_core.rollout.engine import EmbeddedEngine
         from miles_core.rollout.engine_group import embedded_server_args
-        from miles_core.rollout.engine_service import memory_args
         from miles_core.rollout.manager import RolloutManager
         from miles_core.training.fsdp import FSDPTrainer
 

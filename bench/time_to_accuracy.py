@@ -162,9 +162,9 @@ class HeldOut:
     the TRL model's weights."""
 
     def __init__(self, cfg, model_dir: str, eval_path: str, device: str):
-        from miles_core.rollout.engine import EmbeddedEngine
+        from miles_core.engines.embedded.engine import EmbeddedEngine
+        from miles_core.engines.embedded.service import memory_args
         from miles_core.rollout.engine_group import embedded_server_args
-        from miles_core.rollout.engine_service import memory_args
 
         self.cfg, self.eval_path = cfg, eval_path
         self.engine = EmbeddedEngine(model_dir, cfg.model.dtype, cfg.training.num_threads, device,

@@ -153,7 +153,7 @@ def evaluate_all(cfg: RunConfig, model_dir: str | Path | None, default_eval_path
                                         external_timeout_seconds)
         return {HELDOUT: metrics}
     if engine is None:
-        from miles_core.rollout.engine import EmbeddedEngine  # torch + transformers: only when generating
+        from miles_core.engines.embedded.engine import EmbeddedEngine  # torch + transformers: only when generating
 
         engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads)
     tokenizer = engine.tokenizer

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
-from miles_core.rollout.sglang_client import SGLangClient
+from miles_core.engines.sglang.client import SGLangClient
 from miles_core.shared_weights import flat_layout
 from miles_core.weight_layout import checkpoint_layout
 from miles_core.weights import bucket_names

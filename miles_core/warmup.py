@@ -56,7 +56,7 @@ class _Probe:
     engine in this process (the warm-up is a small-model stage)."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, prompts: list[Prompt]):
-        from miles_core.rollout.engine import EmbeddedEngine
+        from miles_core.engines.embedded.engine import EmbeddedEngine
         from miles_core.rollout.engine_group import embedded_server_args
 
         self.cfg, self.prompts = cfg, prompts

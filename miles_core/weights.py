@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from miles_core.config.rollout import TransportConfig
-from miles_core.rollout.sglang_client import SGLangClient
+from miles_core.engines.sglang.client import SGLangClient
 from miles_core.weight_layout import checkpoint_layout
 
 Target = tuple[Any, str]  # (engine actor handle, engine base URL)

@@ -89,7 +89,7 @@ class DecodePath:
     def __enter__(self) -> DecodePath:
         from torch._dynamo.utils import counters
 
-        from miles_core.rollout import slot_decoder
+        from miles_core.engines.embedded import slot_decoder
 
         self.counters, self.run_cls = counters, slot_decoder._Run
         self.steps = self.captures = self.replays = 0
@@ -135,8 +135,8 @@ class DecodePath:
 def build_engine(model_dir: Path, device: str, graphs: bool, max_batch_size: int):
     """The engine as an engine service builds it (EmbeddedEngine's defaults: on CUDA, slot
     decoding with compiled steps); graphs=False swaps in eager slot steps (the CPU's path)."""
-    from miles_core.rollout.engine import EmbeddedEngine
-    from miles_core.rollout.slot_decoder import SlotDecoder
+    from miles_core.engines.embedded.engine import EmbeddedEngine
+    from miles_core.engines.embedded.slot_decoder import SlotDecoder
 
     engine = EmbeddedEngine(str(model_dir), dtype="bfloat16", device=device, max_batch_size=max_batch_size,
                             slot_decoding=None if device.startswith("cuda") else True)

@@ -144,7 +144,7 @@ if __name__ == "__main__":
 def test_routing_replay_uses_the_engine_experts_on_gpu(tmp_path_factory):
     """R3 on CUDA (bf16 autocast, nccl, the GPU's megatron-core): Megatron's routers use exactly
     the experts the embedded engine recorded, while free routing with perturbed routers differs."""
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
     from tests.integration import test_routing_replay as r3
 
     dirs = r3.build_moe_dirs(tmp_path_factory.mktemp("r3"))

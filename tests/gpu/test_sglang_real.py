@@ -124,7 +124,7 @@ def engine(models, work):
 
 
 def client_of(engine):
-    from miles_core.rollout.sglang_client import SGLangClient
+    from miles_core.engines.sglang.client import SGLangClient
 
     return SGLangClient(engine["launcher"].url, api_key=engine["api_key"], timeout_seconds=300)
 

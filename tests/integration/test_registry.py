@@ -192,7 +192,7 @@ def eval_recipe(mlflow_uri, tmp_path_factory):
 
 
 def _reference_pass_at_1(model_dir, cfg: RunConfig, eval_path) -> float:
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(str(model_dir), num_threads=2)
     prompts = read_prompts(eval_path, cfg.data, engine.tokenizer)

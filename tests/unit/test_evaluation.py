@@ -127,7 +127,7 @@ def test_evaluate_all_covers_heldout_and_extra_datasets(tiny_model_dir, tmp_path
     assert "pass@2" not in results["heldout"]  # greedy: n = 1
     assert set(results["sampled"]) >= {"pass@1", "pass@2", "avg@2"} and results["sampled"]["num_samples"] == 2
 
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(str(tiny_model_dir), num_threads=2)
     greedy = evaluate_greedy(engine, read_prompts(eval_path, cfg.data, engine.tokenizer), "exact_match", 3, 256)

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from miles_core.config import build_config
 from miles_core.config.base import ConfigError
 from miles_core.data import Sample
+from miles_core.engines.embedded.engine import EmbeddedEngine
 from miles_core.lora_weights import payload_bytes
-from miles_core.rollout.engine import EmbeddedEngine
 from miles_core.training.fsdp import FSDPTrainer
 from tests.support import max_abs_diff, random_samples
 

@@ -26,7 +26,7 @@ def test_time_sharing_runs_colocated_and_sync():
 
 
 def test_engine_releases_its_kv_cache_and_rebuilds_it_on_the_next_call(tiny_model_dir):
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=True)
     params = {"max_new_tokens": 4, "temperature": 0.0}

@@ -108,7 +108,7 @@ def test_an_engine_maps_a_shared_buffer_once_and_loads_each_write(tiny_model_dir
     load copies what the trainer last wrote."""
     import torch
 
-    from miles_core.rollout.http_server import serve
+    from miles_core.engines.embedded.http_server import serve
     from miles_core.shared_weights import SharedWeights
 
     with serve(tiny_model_dir) as server:

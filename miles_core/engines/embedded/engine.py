@@ -23,8 +23,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from miles_core.lora_weights import AdapterMerger, is_adapter_payload, payload_bytes
-from miles_core.rollout.slot_decoder import (
+from miles_core.engines.embedded.slot_decoder import (
     Finished,
     Sampling,
     SlotDecoder,
@@ -33,6 +32,7 @@ from miles_core.rollout.slot_decoder import (
     supports,
     warped_scores,
 )
+from miles_core.lora_weights import AdapterMerger, is_adapter_payload, payload_bytes
 from miles_core.weight_layout import fused_layout, weights_sha256
 
 MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}

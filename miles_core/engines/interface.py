@@ -1,7 +1,7 @@
 """What an engine actor needs of the rollout engine it hosts, whichever engine that is.
 
 Two implementations: the embedded engine's HTTP server (`http_server.ServerHandle`, in the
-actor's process) and SGLang (`sglang_client.SGLangLauncher`, a child process). Both serve
+actor's process) and SGLang (`sglang.client.SGLangLauncher`, a child process). Both serve
 SGLang's HTTP API at `url`, and everything that API carries (generation, health, weight
 updates from disk or by broadcast) goes through `SGLangClient` and the `Router`, the same
 code for both engines. This interface is the rest: tensors handed over in-process, the digest
