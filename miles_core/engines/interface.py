@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from miles_core.shared_weights import BufferHandle
+    from miles_core.weight_sync.shared import BufferHandle
 
 
 class RolloutEngine(Protocol):
@@ -30,7 +30,7 @@ class RolloutEngine(Protocol):
         ...
 
     def map_shared_weights(self, handle: BufferHandle) -> dict:
-        """Map the trainer's shared weight buffer (miles_core.shared_weights) for later loads."""
+        """Map the trainer's shared weight buffer (miles_core.weight_sync.shared) for later loads."""
         ...
 
     def load_shared_weights(self, weight_version: str) -> dict:
@@ -38,7 +38,7 @@ class RolloutEngine(Protocol):
         ...
 
     def weights_sha256(self) -> str:
-        """Digest of the served weights (`weight_layout.weights_sha256`), to verify a sync."""
+        """Digest of the served weights (`weight_sync.layout.weights_sha256`), to verify a sync."""
         ...
 
     def stop(self) -> None:

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 try:
     import ray  # noqa: F401
-except ImportError:  # miles_core.weights imports ray at module level; nothing here calls it
+except ImportError:  # miles_core.weight_sync.transports imports ray at module level; nothing here calls it
     sys.modules["ray"] = types.ModuleType("ray")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]

@@ -27,7 +27,7 @@ from miles_core.engines.sglang.client import EngineError, SGLangClient
 from miles_core.net import free_port
 from miles_core.rollout.router import Router
 from miles_core.tiny import build_tiny_model
-from miles_core.weight_layout import weights_sha256
+from miles_core.weight_sync.layout import weights_sha256
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]

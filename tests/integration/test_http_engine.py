@@ -22,8 +22,8 @@ from miles_core.engines.sglang.client import EngineError, SGLangClient, SGLangLa
 from miles_core.net import free_port, init_custom_process_group
 from miles_core.rollout.router import Router
 from miles_core.tiny import build_tiny_model
-from miles_core.weight_layout import weights_sha256
-from miles_core.weights import broadcast_to_engines
+from miles_core.weight_sync.layout import weights_sha256
+from miles_core.weight_sync.transports import broadcast_to_engines
 
 torch.set_num_threads(1)
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0}
@@ -426,7 +426,7 @@ def test_weight_updates_over_http_take_checkpoint_expert_names_only(tiny_moe_mod
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from miles_core.weight_layout import checkpoint_layout
+    from miles_core.weight_sync.layout import checkpoint_layout
 
     fused = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir).state_dict().items()}
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in fused)

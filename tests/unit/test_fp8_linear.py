@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from miles_core.engines.embedded.fp8_linear import Fp8BlockLinear, swap_to_fp8_linears
-from miles_core.quantization import dequantize_block_fp8, quantize_block_fp8
+from miles_core.weight_sync.quantization import dequantize_block_fp8, quantize_block_fp8
 
 
 def test_layer_matches_the_dequantized_reference_and_tracks_the_original():

@@ -56,8 +56,8 @@ from miles_core.engines.embedded.http_requests import (
 from miles_core.engines.embedded.service import EngineService, EngineUnavailable, weight_result
 from miles_core.engines.embedded.service import Request as InFlight
 from miles_core.engines.sglang.args import SERVER_ARGS
-from miles_core.lora_weights import payload_bytes
-from miles_core.shared_weights import BufferHandle, SharedWeights
+from miles_core.weight_sync.lora import payload_bytes
+from miles_core.weight_sync.shared import BufferHandle, SharedWeights
 
 logger = logging.getLogger(__name__)
 SERVER_VERSION = "miles-embedded-1"

@@ -260,7 +260,7 @@ class SGLangClient:
     def update_weights_from_ipc_handles(self, payloads: list[str], weight_version: str | None = None,
                                         flush_cache: bool = True) -> dict:
         """POST /update_weights_from_tensor in SGLang's flattened-bucket format: one base64 payload
-        per TP rank (miles_core.sglang_ipc.serialize_bucket), each CUDA IPC handles to a buffer on
+        per TP rank (miles_core.weight_sync.cuda_ipc.serialize_bucket), each CUDA IPC handles to a buffer on
         that rank's GPU. Inside a `weight_update_session` (SGLang 0.5.23 refuses it outside one)."""
         payload: dict[str, Any] = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
                                    **WEIGHT_UPDATE_DEFAULTS, "flush_cache": flush_cache}

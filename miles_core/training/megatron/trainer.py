@@ -50,7 +50,7 @@ from miles_core.training.megatron.model import (
     shutdown_parallel,
 )
 from miles_core.training.megatron.routing_replay import replayed_routing, routing_targets
-from miles_core.weight_layout import weights_sha256
+from miles_core.weight_sync.layout import weights_sha256
 
 
 @dataclass
