@@ -53,7 +53,7 @@ def run_config(args, steps: int, overrides: list[str]):
 
 
 def run_once(args, name: str, steps: int, overrides: list[str], model_dir: Path, train: Path, work: Path):
-    from miles_core.driver import TrainSpec, run_training
+    from miles_core.driver.session import TrainSpec, run_training
 
     cfg = run_config(args, steps, overrides)
     spec = TrainSpec(config=cfg, model_dir=str(model_dir), train_path=str(train),

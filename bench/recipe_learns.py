@@ -52,7 +52,7 @@ def stages(cfg, work: Path) -> dict:
     import ray
 
     from miles_core.artifacts import prepare_data, prepare_model, warm_up
-    from miles_core.driver import HELDOUT_PASS_AT_1, TrainSpec, run_training
+    from miles_core.driver.session import HELDOUT_PASS_AT_1, TrainSpec, run_training
     from miles_core.evaluation import HELDOUT, evaluate_on_engines
     from miles_core.periodic_eval import EVAL_SECONDS
 

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     manager = RolloutManager(EngineAsGroup(engine), r, r.reward)  # seeded sampling, then the reward
     source = PromptSource(prompts, cfg.seed)  # shuffled, endless
     for step in range(1, args.steps + 1):
-        # n samples per prompt, grouped; per-step seeds as miles_core.loop draws them (reproducible).
+        # n samples per prompt, grouped; per-step seeds as miles_core.driver.loop draws them (reproducible).
         samples = manager.generate(source.next_batch(r.num_prompts_per_step), seed=cfg.seed * 100_003 + step * 97)
         rewards = torch.tensor([s.reward for s in samples])
         # GRPO's signal: each reward minus its group's mean (train_step computes the same from

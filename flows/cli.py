@@ -18,7 +18,7 @@ from rich.table import Table
 from infra.stack import RAY_LOOPBACK_ONLY
 from miles_core.config import ConfigError, RunConfig, field_docs, load_config
 from miles_core.config.schema import choose_transport
-from miles_core.placement import describe, strategy
+from miles_core.driver.placement import describe, strategy
 
 if TYPE_CHECKING:
     from miles_core.summary import RunSummary

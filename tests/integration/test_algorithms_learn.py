@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from miles_core.config import build_config
 from miles_core.data import read_prompts
-from miles_core.driver import TrainSpec, run_training
+from miles_core.driver.session import TrainSpec, run_training
 from miles_core.engines.embedded.engine import EmbeddedEngine
 from miles_core.evaluation import evaluate_greedy
 from tests.conftest import REPO

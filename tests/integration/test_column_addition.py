@@ -6,7 +6,7 @@ import re
 
 from miles_core import artifacts
 from miles_core.config import load_config
-from miles_core.driver import TrainSpec, run_training
+from miles_core.driver.session import TrainSpec, run_training
 from miles_core.engines.embedded.engine import EmbeddedEngine
 from miles_core.evaluation import HELDOUT, evaluate_all
 from tests.conftest import REPO

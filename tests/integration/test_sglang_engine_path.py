@@ -11,7 +11,7 @@ import ray
 import requests
 
 from miles_core.config import build_config
-from miles_core.driver import TrainSpec, run_training
+from miles_core.driver.session import TrainSpec, run_training
 from miles_core.evaluation import evaluate_all
 from miles_core.rollout.engine_group import EngineGroup
 

@@ -13,7 +13,7 @@ import torch
 from miles_core import algorithms as algo
 from miles_core.config import RolloutConfig, build_config
 from miles_core.data import Prompt, Sample
-from miles_core.loop import collect_rollouts
+from miles_core.driver.loop import collect_rollouts
 from miles_core.plugins import load_plugin
 from miles_core.preflight import _reward_problems
 from miles_core.rollout.manager import RolloutManager

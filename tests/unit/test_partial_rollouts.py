@@ -291,8 +291,8 @@ class PausableEngines(StubEngines):
 
 def test_fully_async_with_partial_rollouts_continues_a_sample_cut_by_a_weight_update():
     from miles_core.config import build_config
-    from miles_core.loop import make_partial_producer
-    from miles_core.schedules import FullyAsyncSchedule
+    from miles_core.driver.loop import make_partial_producer
+    from miles_core.driver.schedules import FullyAsyncSchedule
 
     cfg = build_config({"rollout": {"loop": "fully_async"}},
                        ["rollout.partial.enabled=true", "algorithm.correction.kind=tis", "algorithm.name=ppo",

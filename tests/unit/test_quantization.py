@@ -195,7 +195,7 @@ def test_sglang_block_shape_rules():
 
 def test_fp8_rollout_engines_start_from_the_converted_copy(tmp_path):
     from miles_core.config import TinyModelConfig, build_config
-    from miles_core.run import _engine_model_dir
+    from miles_core.driver.run import _engine_model_dir
     from miles_core.tiny import build_tiny_model
 
     # 4 heads of 32 and 4 kv heads: q, k, v 128 rows each, MLP 256: whole 128-row blocks

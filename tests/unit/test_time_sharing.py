@@ -57,9 +57,9 @@ def test_a_time_shared_step_hands_the_device_over_in_order(monkeypatch):
     push -> offload -> resume kv cache, every step."""
     from types import SimpleNamespace
 
-    from miles_core import loop, time_sharing
-    from miles_core.run import LoopState
-    from miles_core.schedules import RolloutBatch
+    from miles_core.driver import loop, time_sharing
+    from miles_core.driver.run import LoopState
+    from miles_core.driver.schedules import RolloutBatch
 
     rec = _Recorder()
     monkeypatch.setattr(time_sharing, "ray", SimpleNamespace(get=lambda value: value))

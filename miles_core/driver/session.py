@@ -4,7 +4,7 @@ It opens the TrainingRun (actors, engines, transport), resumes from the latest c
 checkpoint, runs the loop, and exports the policy; with an MLflow run and an object store in
 the spec it also logs each step's metrics before the checkpoint that covers it, and uploads
 each checkpoint in the background. The flow's train task runs it inline, or as a Ray Job
-(`python -m miles_core.driver --spec SPEC.json ...`, see miles_core/ray_jobs.py); either way
+(`python -m miles_core.driver.session --spec SPEC.json ...`, see miles_core/driver/ray_jobs.py); either way
 the same code logs and uploads, so a job that outlives its Prefect task loses nothing.
 """
 
@@ -23,10 +23,10 @@ from pydantic import BaseModel, ConfigDict
 from miles_core import checkpoint as ckpt
 from miles_core import tracking, uploads
 from miles_core.config import RunConfig
+from miles_core.driver.loop import run_loop
+from miles_core.driver.run import LoopState, MetricsFn, RunHooks, TrainingRun
 from miles_core.evaluation import HELDOUT, metric_key
-from miles_core.loop import run_loop
 from miles_core.periodic_eval import PHASE
-from miles_core.run import LoopState, MetricsFn, RunHooks, TrainingRun
 from miles_core.storage import write_json_atomic
 
 log = logging.getLogger(__name__)

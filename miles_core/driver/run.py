@@ -1,7 +1,7 @@
 """One training run's live parts, owned by one object: `TrainingRun` starts the trainer and
 engine actors, the weight transport, the periodic evaluator and the rollout schedule, resumes
 from the latest complete checkpoint, and releases everything on close. The loop
-(miles_core.loop) drives it; the driver (miles_core.driver) opens it from a TrainSpec.
+(miles_core.driver.loop) drives it; the driver (miles_core.driver.session) opens it from a TrainSpec.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from transformers import AutoTokenizer
 from miles_core import checkpoint as ckpt
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, read_prompts
+from miles_core.driver.placement import Placement, bundles
+from miles_core.driver.trainer_group import kill_trainer, start_trainer_group
 from miles_core.periodic_eval import PeriodicEvaluator
-from miles_core.placement import Placement, bundles
 from miles_core.rollout.engine_group import EngineGroup
-from miles_core.trainer_group import kill_trainer, start_trainer_group
 from miles_core.weight_sync.transports import WeightTransport, make_transport
 
 log = logging.getLogger(__name__)
