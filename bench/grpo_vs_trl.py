@@ -115,7 +115,7 @@ class OursInProcess:
         from miles_core.data import PromptSource, read_prompts
         from miles_core.engines.embedded.engine import EmbeddedEngine
         from miles_core.engines.embedded.service import memory_args
-        from miles_core.evaluation import EngineAsGroup
+        from miles_core.evaluation.core import EngineAsGroup
         from miles_core.rollout.engine_group import embedded_server_args
         from miles_core.rollout.manager import RolloutManager
         from miles_core.training.fsdp import FSDPTrainer

@@ -31,7 +31,7 @@ from miles_core import algorithms as algo
 from miles_core.config import AlgorithmConfig, RunConfig, load_config
 from miles_core.data import PromptSource, read_prompts, sft_samples, write_arithmetic_task
 from miles_core.engines.embedded.engine import EmbeddedEngine
-from miles_core.evaluation import HELDOUT, EngineAsGroup, evaluate_all, evaluate_greedy
+from miles_core.evaluation.core import HELDOUT, EngineAsGroup, evaluate_all, evaluate_greedy
 from miles_core.rollout.manager import RolloutManager
 from miles_core.tiny import build_tiny_model
 from miles_core.training.fsdp import FSDPTrainer

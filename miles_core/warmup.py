@@ -65,7 +65,7 @@ class _Probe:
                                      mem_fraction_static=memory)
 
     def score(self, trainer, step: int) -> float:
-        from miles_core.evaluation import evaluate_greedy
+        from miles_core.evaluation.core import evaluate_greedy
 
         weights = ray.get(trainer.hf_state_dict.remote(to_cpu=True))
         self.engine.update_weights_from_tensors(weights, f"warmup-{step}")

@@ -25,8 +25,8 @@ from miles_core import tracking, uploads
 from miles_core.config import RunConfig
 from miles_core.driver.loop import run_loop
 from miles_core.driver.run import LoopState, MetricsFn, RunHooks, TrainingRun
-from miles_core.evaluation import HELDOUT, metric_key
-from miles_core.periodic_eval import PHASE
+from miles_core.evaluation.core import HELDOUT, metric_key
+from miles_core.evaluation.periodic import PHASE
 from miles_core.storage import write_json_atomic
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import tasks.promote
 from miles_core import registry, tracking
 from miles_core.config import RunConfig
 from miles_core.data import read_prompts
-from miles_core.evaluation import evaluate_greedy
+from miles_core.evaluation.core import evaluate_greedy
 from tasks.promote import PromotionRolledBack, promote
 from tests.conftest import REPO
 

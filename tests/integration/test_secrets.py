@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from miles_core import reports, tracking
+from miles_core import tracking
 from miles_core.config import RunConfig, build_config
+from miles_core.evaluation import reports
 
 FAKE_SECRETS = {
     "AWS_SECRET_ACCESS_KEY": "fakeAwsSecret/9f3Kq2LmZx7Rt0Vb",

@@ -12,7 +12,7 @@ import requests
 
 from miles_core.config import build_config
 from miles_core.driver.session import TrainSpec, run_training
-from miles_core.evaluation import evaluate_all
+from miles_core.evaluation.core import evaluate_all
 from miles_core.rollout.engine_group import EngineGroup
 
 SERVER_MODULE = "miles_core.engines.embedded.http_server"

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from miles_core.data import read_prompts
 from miles_core.engines.embedded.engine import EmbeddedEngine
-from miles_core.evaluation import evaluate_greedy
+from miles_core.evaluation.core import evaluate_greedy
 from miles_core.warmup import run_sft_warmup, split_probe
 from miles_core.weight_sync.layout import weights_sha256
 

@@ -289,7 +289,7 @@ def test_a_plugin_module_that_fails_to_import_is_reported_on_the_field(tmp_path,
 
 
 def test_evaluation_can_score_the_episodes_of_rollout_generate():
-    from miles_core.evaluation import evaluate_dataset
+    from miles_core.evaluation.core import evaluate_dataset
     from miles_core.rollout import self_correction
 
     class Engine:

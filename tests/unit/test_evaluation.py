@@ -10,7 +10,7 @@ import pytest
 
 from miles_core.config import ArithmeticTaskConfig, build_config
 from miles_core.data import Prompt, read_prompts, write_arithmetic_task
-from miles_core.evaluation import (
+from miles_core.evaluation.core import (
     ExternalEvalError,
     evaluate_all,
     evaluate_dataset,
@@ -173,7 +173,7 @@ def test_external_eval_failures_are_explained(tmp_path):
 # ---- reports (no MLflow) ------------------------------------------------------------------------
 
 def test_report_rows_markdown_and_samples():
-    from miles_core.reports import eval_report, report_markdown, sample_rollouts, summary_metrics
+    from miles_core.evaluation.reports import eval_report, report_markdown, sample_rollouts, summary_metrics
 
     before = {"pass@1": 0.25, "num_prompts": 4, "examples": []}  # a bare result is the held-out set
     after = {"heldout": {"pass@1": 0.5, "num_prompts": 4, "examples": [

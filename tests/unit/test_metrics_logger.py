@@ -65,7 +65,7 @@ def test_a_step_over_mlflows_batch_limit_is_split_with_its_probe_last(run, monke
 
 def test_the_runs_curves_come_whole_from_mlflow_across_sessions(run):
     """What the summary and plots read: every step either session logged, once per step."""
-    from miles_core.reports import periodic_points_of_run
+    from miles_core.evaluation.reports import periodic_points_of_run
     from miles_core.tracking import metric_history
 
     client, run_id = run
