@@ -229,7 +229,7 @@ def _check_run_target(cfg: RunConfig, run_dir: Path | None, resume: str | None) 
     not know) or the run directory holds another run's files, before Prefect starts (and
     records a flow run). The flow checks again: deployments do not come here."""
     from miles_core import tracking
-    from miles_core.checkpoint import check_run_dir
+    from miles_core.storage.checkpoint import check_run_dir
 
     try:
         if resume is not None:

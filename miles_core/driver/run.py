@@ -15,13 +15,13 @@ from typing import Any
 import ray
 from transformers import AutoTokenizer
 
-from miles_core import checkpoint as ckpt
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, read_prompts
 from miles_core.driver.placement import Placement, bundles
 from miles_core.driver.trainer_group import kill_trainer, start_trainer_group
 from miles_core.evaluation.periodic import PeriodicEvaluator
 from miles_core.rollout.engine_group import EngineGroup
+from miles_core.storage import checkpoint as ckpt
 from miles_core.weight_sync.transports import WeightTransport, make_transport
 
 log = logging.getLogger(__name__)

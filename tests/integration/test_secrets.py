@@ -92,7 +92,7 @@ def test_redaction_goes_by_name_pattern_at_any_depth_and_spares_counts():
 def test_download_refuses_keys_that_escape_the_target(tmp_path):
     import fsspec
 
-    from miles_core.storage import download_dir
+    from miles_core.storage.object_store import download_dir
 
     memory = fsspec.filesystem("memory")
     memory.pipe("/slip/ok.txt", b"1")

@@ -7,8 +7,8 @@ import pytest
 
 from flows.rl_posttrain import rl_posttrain
 from miles_core import tracking
-from miles_core.checkpoint import check_run_key
 from miles_core.config import load_config
+from miles_core.storage.checkpoint import check_run_key
 from tests.conftest import REPO
 
 RECIPE = str(REPO / "configs/local.yaml")
