@@ -20,7 +20,6 @@ from pathlib import Path
 import fsspec
 from pydantic import BaseModel, ConfigDict
 
-from miles_core import tracking
 from miles_core.config import RunConfig
 from miles_core.driver.loop import run_loop
 from miles_core.driver.run import LoopState, MetricsFn, RunHooks, TrainingRun
@@ -29,6 +28,7 @@ from miles_core.evaluation.periodic import PHASE
 from miles_core.storage import checkpoint as ckpt
 from miles_core.storage import uploads
 from miles_core.storage.object_store import write_json_atomic
+from miles_core.tracking import runs as tracking
 
 log = logging.getLogger(__name__)
 HELDOUT_PASS_AT_1 = metric_key(PHASE, HELDOUT, "pass@1")

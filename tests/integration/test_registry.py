@@ -21,10 +21,11 @@ from prefect import flow
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tasks.promote
-from miles_core import registry, tracking
 from miles_core.config import RunConfig
 from miles_core.data import read_prompts
 from miles_core.evaluation.core import evaluate_greedy
+from miles_core.tracking import registry
+from miles_core.tracking import runs as tracking
 from tasks.promote import PromotionRolledBack, promote
 from tests.conftest import REPO
 

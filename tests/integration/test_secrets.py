@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from miles_core import tracking
 from miles_core.config import RunConfig, build_config
 from miles_core.evaluation import reports
+from miles_core.tracking import runs as tracking
 
 FAKE_SECRETS = {
     "AWS_SECRET_ACCESS_KEY": "fakeAwsSecret/9f3Kq2LmZx7Rt0Vb",
