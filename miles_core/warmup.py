@@ -12,8 +12,9 @@ from pathlib import Path
 import ray
 
 from miles_core.config import AlgorithmConfig, RunConfig
-from miles_core.data import Prompt, sft_samples
+from miles_core.data import sft_samples
 from miles_core.training.fsdp import FSDPTrainer
+from miles_core.types import Prompt
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[int, float, float | None], None]

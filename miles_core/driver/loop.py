@@ -19,13 +19,14 @@ import torch
 
 from miles_core import algorithms as algo
 from miles_core.config import RunConfig
-from miles_core.data import PromptSource, Sample, sft_samples
+from miles_core.data import PromptSource, sft_samples
 from miles_core.driver.schedules import SCHEDULES, RolloutBatch, timed
 from miles_core.driver.time_sharing import time_sharing
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.partial import version_metrics
 from miles_core.rollout.partial_pool import PartialPool
 from miles_core.rollout.router import NoHealthyEngine
+from miles_core.types import Sample
 
 if TYPE_CHECKING:
     from miles_core.driver.run import LoopState, TrainingRun

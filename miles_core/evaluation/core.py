@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.config import RunConfig
-from miles_core.data import Prompt, read_prompts
+from miles_core.data import read_prompts
 from miles_core.plugins import load_plugin
 from miles_core.rewards import get_reward
 from miles_core.rollout.context import run_generate_fn
 from miles_core.rollout.router import generate_in_shards
+from miles_core.types import Prompt
 
 MAX_EXAMPLES = 8
 HELDOUT = "heldout"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from miles_core.data import Sample, is_mixed_version, token_versions, version_number
+from miles_core.types import Sample, is_mixed_version, token_versions, version_number
 
 ABORT = "abort"
 

@@ -19,10 +19,10 @@ import torch
 from miles_core import algorithms as algo
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
-from miles_core.data import Sample
 from miles_core.net import init_custom_process_group, rendezvous_endpoint
 from miles_core.training.batches import Batch, mixed_version_fraction, select_rows
 from miles_core.training.data_parallel import sum_metrics_over_ranks, sum_over_ranks
+from miles_core.types import Sample
 from miles_core.weight_sync.shared import BufferHandle, SharedWeights
 
 

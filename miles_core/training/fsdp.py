@@ -20,7 +20,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.config.schema import FSDPConfig
-from miles_core.data import Sample
 from miles_core.net import free_port
 from miles_core.training import lora, state_io
 from miles_core.training.batches import pad_batch
@@ -28,6 +27,7 @@ from miles_core.training.core import RLTrainerCore
 from miles_core.training.data_parallel import rank_micro_batches
 from miles_core.training.logprobs import next_token_logprobs
 from miles_core.training.offload import HostOffload, module_tensors
+from miles_core.types import Sample
 from miles_core.weight_sync.layout import checkpoint_layout, weights_sha256
 
 

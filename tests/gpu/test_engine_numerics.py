@@ -147,7 +147,7 @@ def build_engine(model_dir: Path, device: str, graphs: bool, max_batch_size: int
 
 def rollout(engine, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list:
     """Temperature-1 samples as Samples carrying the engine's per-token log-probs."""
-    from miles_core.data import Sample
+    from miles_core.types import Sample
 
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens, "ignore_eos": True}
     outs = engine.generate(prompts, params, return_logprob=True, seed=seed)

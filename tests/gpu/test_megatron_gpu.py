@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _samples(n: int = 16, seed: int = 0):
-    from miles_core.data import Sample
+    from miles_core.types import Sample
 
     rng = random.Random(seed)
     return [Sample(prompt_index=i // 2, prompt_ids=[rng.randrange(5, 80) for _ in range(8)],

@@ -24,8 +24,8 @@ from miles_core.config import (
     TrainingConfig,
     build_config,
 )
-from miles_core.data import Prompt, Sample
 from miles_core.tiny import build_tiny_model
+from miles_core.types import Prompt, Sample
 from tests.support import with_tokenizer
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K = 2, 8, 2

@@ -12,7 +12,6 @@ import torch
 
 from miles_core import algorithms as algo
 from miles_core.config import RolloutConfig, build_config
-from miles_core.data import Prompt, Sample
 from miles_core.driver.loop import collect_rollouts
 from miles_core.plugins import load_plugin
 from miles_core.preflight import _reward_problems
@@ -20,6 +19,7 @@ from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.multiturn import Trajectory
 from miles_core.tiny import build_tokenizer
 from miles_core.training.batches import pad_batch
+from miles_core.types import Prompt, Sample
 
 TOKENIZER = build_tokenizer()
 EOS = TOKENIZER.eos_token_id

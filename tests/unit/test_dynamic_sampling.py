@@ -6,8 +6,9 @@ import logging
 import pytest
 
 from miles_core.config import build_config
-from miles_core.data import Prompt, PromptSource, Sample
+from miles_core.data import PromptSource
 from miles_core.driver.loop import collect_rollouts
+from miles_core.types import Prompt, Sample
 
 N = 4  # samples per prompt
 

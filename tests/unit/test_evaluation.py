@@ -9,7 +9,7 @@ from math import comb
 import pytest
 
 from miles_core.config import ArithmeticTaskConfig, build_config
-from miles_core.data import Prompt, read_prompts, write_arithmetic_task
+from miles_core.data import read_prompts, write_arithmetic_task
 from miles_core.evaluation.core import (
     ExternalEvalError,
     evaluate_all,
@@ -18,6 +18,7 @@ from miles_core.evaluation.core import (
     pass_at_k,
     run_external_eval,
 )
+from miles_core.types import Prompt
 
 # ---- pass@k ------------------------------------------------------------------------------------
 

@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 from miles_core.config import build_config
 from miles_core.config.base import ConfigError
-from miles_core.data import Sample
 from miles_core.engines.embedded.engine import EmbeddedEngine
 from miles_core.training.fsdp import FSDPTrainer
+from miles_core.types import Sample
 from miles_core.weight_sync.lora import payload_bytes
 from tests.support import max_abs_diff, random_samples
 
