@@ -51,10 +51,10 @@ def stages(cfg, work: Path) -> dict:
     """One seed: the flow's stages, timed; returns its curve and figures."""
     import ray
 
-    from miles_core.artifacts import prepare_data, prepare_model, warm_up
-    from miles_core.driver import HELDOUT_PASS_AT_1, TrainSpec, run_training
-    from miles_core.evaluation import HELDOUT, evaluate_on_engines
-    from miles_core.periodic_eval import EVAL_SECONDS
+    from miles_core.driver.session import HELDOUT_PASS_AT_1, TrainSpec, run_training
+    from miles_core.evaluation.core import HELDOUT, evaluate_on_engines
+    from miles_core.evaluation.periodic import EVAL_SECONDS
+    from miles_core.storage.artifacts import prepare_data, prepare_model, warm_up
 
     model, data = prepare_model(cfg), prepare_data(cfg)
     started = time.perf_counter()

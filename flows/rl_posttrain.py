@@ -11,13 +11,16 @@ from prefect import flow, get_run_logger
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import deployment, flow_run
 
-from miles_core import checkpoint as ckpt
-from miles_core import ray_jobs, reports, storage, tracking
-from miles_core.artifacts import ModelArtifact
 from miles_core.config import Override, RunConfig, load_config
-from miles_core.driver import TrainSpec
+from miles_core.driver import ray_jobs
+from miles_core.driver.session import TrainSpec
+from miles_core.evaluation import reports
 from miles_core.preflight import preflight
+from miles_core.storage import checkpoint as ckpt
+from miles_core.storage import object_store as storage
+from miles_core.storage.artifacts import ModelArtifact
 from miles_core.summary import SUMMARY_FILE, HeldOutScores, MlflowRef, RunSummary, WarmupRecord
+from miles_core.tracking import runs as tracking
 from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, prepare_teacher, sft_warmup
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate

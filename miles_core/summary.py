@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_core.artifacts import Dataset, StageResult
-from miles_core.redaction import redact
+from miles_core.storage.artifacts import Dataset, StageResult
+from miles_core.tracking.redaction import redact
 
 SUMMARY_FILE = "summary.json"
 

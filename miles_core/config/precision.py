@@ -69,7 +69,7 @@ def _fp8_training_fits(cfg: RunConfig) -> None:
 
 
 def _fp8_weights_can_travel(cfg: RunConfig) -> None:
-    """Only the broadcast quantizes (miles_core.weights.broadcast_to_engines): a disk sync writes a
+    """Only the broadcast quantizes (miles_core.weight_sync.transports.broadcast_to_engines): a disk sync writes a
     bf16 checkpoint and the CUDA IPC buckets hold one dtype, which block-FP8 engines cannot load."""
     transport = cfg.rollout.weight_transport.kind
     if transport != "broadcast":

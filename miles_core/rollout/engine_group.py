@@ -19,12 +19,12 @@ import ray
 
 from miles_core.config import RunConfig
 from miles_core.config.rollout import EngineConfig
-from miles_core.rollout.interface import RolloutEngine
+from miles_core.engines.interface import RolloutEngine
+from miles_core.engines.sglang.client import EngineError, SGLangClient, SGLangLauncher
 from miles_core.rollout.router import Router
-from miles_core.rollout.sglang_client import EngineError, SGLangClient, SGLangLauncher
 
 if TYPE_CHECKING:
-    from miles_core.rollout.http_limits import ServerLimits
+    from miles_core.engines.embedded.http_limits import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def launch_engine(engine: EngineConfig, model_dir: str, host: str, dtype: str, n
                                   python=engine.python or sys.executable)
         launcher.start()
         return launcher
-    from miles_core.rollout.http_server import serve  # torch and transformers: engine processes only
+    from miles_core.engines.embedded.http_server import serve  # torch and transformers: engine processes only
 
     return serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads,
                  server_args=embedded_server_args(engine), weight_version=INITIAL_WEIGHT_VERSION, api_key=api_key,
@@ -68,7 +68,7 @@ def embedded_server_args(engine: EngineConfig) -> dict:
 
 def embedded_server_limits(engine: EngineConfig) -> ServerLimits:
     """The client bounds an embedded engine's config sets, as its server's ServerLimits."""
-    from miles_core.rollout.http_limits import ServerLimits  # the web stack: engine processes only
+    from miles_core.engines.embedded.http_limits import ServerLimits  # the web stack: engine processes only
 
     return ServerLimits(max_request_bytes=engine.max_request_bytes,
                         max_prompts_per_request=engine.max_prompts_per_request,

@@ -9,9 +9,9 @@ with the new weights. A group trains once all its samples are done, in the order
 
 from __future__ import annotations
 
-from miles_core.data import Prompt, Sample, token_versions
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.partial import is_partial, version_metrics
+from miles_core.types import Prompt, Sample, token_versions
 
 
 class PartialPool:

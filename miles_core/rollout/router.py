@@ -14,7 +14,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from miles_core.rollout.sglang_client import EngineError, SGLangClient
+from miles_core.engines.sglang.client import EngineError, SGLangClient
 
 logger = logging.getLogger(__name__)
 

@@ -50,9 +50,9 @@ class _Engines:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from miles_core.config.rollout import SGLangEngine
+    from miles_core.engines.sglang.client import SGLangClient
     from miles_core.rollout.engine_group import launch_engine
     from miles_core.rollout.router import Router
-    from miles_core.rollout.sglang_client import SGLangClient
     from tests.integration import test_routing_replay as r3
 
     dirs = r3.build_moe_dirs(tmp_path_factory.mktemp("r3-sglang"), hidden_size=256, moe_intermediate_size=128)

@@ -6,7 +6,7 @@ import json
 
 from safetensors.torch import load_file
 
-from miles_core.driver import run_training
+from miles_core.driver.session import run_training
 from tests.integration.test_train_resume import spec_for
 
 LORA = ("training.lora.rank=4", "training.lora.alpha=8", "training.lr=5e-3")

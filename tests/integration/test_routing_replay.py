@@ -24,8 +24,8 @@ from miles_core.config import (
     TrainingConfig,
     build_config,
 )
-from miles_core.data import Prompt, Sample
 from miles_core.tiny import build_tiny_model
+from miles_core.types import Prompt, Sample
 from tests.support import with_tokenizer
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K = 2, 8, 2
@@ -64,7 +64,7 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def engine(dirs):
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
 
     return EmbeddedEngine(str(dirs["moe"]), num_threads=1)
 
@@ -130,9 +130,9 @@ def test_manager_asks_only_when_enabled_and_decodes_sglang_base64(engine):
 
 def test_http_engine_returns_routed_experts_through_the_router(dirs, engine):
     """The flag travels as SGLang's top-level request field, through Router and HTTP."""
-    from miles_core.rollout.http_server import serve
+    from miles_core.engines.embedded.http_server import serve
+    from miles_core.engines.sglang.client import SGLangClient
     from miles_core.rollout.router import Router
-    from miles_core.rollout.sglang_client import SGLangClient
 
     prompt = _prompts(1)[0].input_ids
     params = {"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True, "sampling_seed": 0}

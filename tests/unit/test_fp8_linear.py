@@ -1,11 +1,11 @@
-"""Fp8BlockLinear (miles_core/fp8_linear.py): the emulated FP8-weight forward against the bf16/fp32
+"""Fp8BlockLinear (miles_core/engines/embedded/fp8_linear.py): the emulated FP8-weight forward against the bf16/fp32
 reference, layer by layer and for the whole tiny model's log-probs."""
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_core.fp8_linear import Fp8BlockLinear, swap_to_fp8_linears
-from miles_core.quantization import dequantize_block_fp8, quantize_block_fp8
+from miles_core.engines.embedded.fp8_linear import Fp8BlockLinear, swap_to_fp8_linears
+from miles_core.weight_sync.quantization import dequantize_block_fp8, quantize_block_fp8
 
 
 def test_layer_matches_the_dequantized_reference_and_tracks_the_original():

@@ -6,7 +6,7 @@ import json
 from typer.testing import CliRunner
 
 from flows.cli import app
-from miles_core.artifacts import Dataset
+from miles_core.storage.artifacts import Dataset
 from miles_core.summary import HeldOutScores, MlflowRef, RunSummary, WarmupRecord
 
 # what the e2e tests, bench/seed_sweep.py and users' scripts read from summary.json

@@ -15,7 +15,7 @@ from pathlib import Path
 from fsspec.implementations.local import LocalFileSystem
 
 from miles_core.config import ModelConfig
-from miles_core.storage import download_dir, filesystem
+from miles_core.storage.object_store import download_dir, filesystem
 
 BUILTIN_VERSION = "tiny-qwen3-v1"  # bump when the built-in model's construction changes
 MARKER = ".miles-complete.json"

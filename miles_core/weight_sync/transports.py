@@ -16,8 +16,8 @@ from typing import Any, Protocol
 import torch
 
 from miles_core.config.rollout import TransportConfig
-from miles_core.rollout.sglang_client import SGLangClient
-from miles_core.weight_layout import checkpoint_layout
+from miles_core.engines.sglang.client import SGLangClient
+from miles_core.weight_sync.layout import checkpoint_layout
 
 Target = tuple[Any, str]  # (engine actor handle, engine base URL)
 # Transports that keep state per engine (a mapped buffer, a process group) compare targets as
@@ -48,7 +48,7 @@ class ObjectStoreTransport:
     """Full state dict through Ray's object store: one put, every engine reads it (zero copy
     on the same node). The default for embedded engines on CPU. adapters_only (training.lora):
     only the LoRA adapters travel and each engine merges them into its base copy
-    (miles_core.lora_weights)."""
+    (miles_core.weight_sync.lora)."""
 
     def __init__(self, verify: bool = False, adapters_only: bool = False, **_: Any):
         self.verify, self.adapters_only = verify, adapters_only
@@ -69,7 +69,7 @@ class ObjectStoreTransport:
 
 
 class SharedMemoryTransport:
-    """One buffer the trainer and colocated engines both map (miles_core.shared_weights): CUDA
+    """One buffer the trainer and colocated engines both map (miles_core.weight_sync.shared): CUDA
     IPC when they share a GPU, /dev/shm on CPU. A sync is a cast-copy into the buffer and a
     copy out of it per engine; nothing is serialized. The buffer is laid out again whenever the
     set of engine processes changes (a restarted engine, even at its old URL, maps the new one)."""
@@ -185,7 +185,7 @@ class BroadcastTransport:
 class CudaIpcTransport:
     """Colocated SGLang on the trainer's GPU: per bucket, the trainer casts its weights into one
     buffer and hands each engine a CUDA IPC handle to it (`/update_weights_from_tensor`, SGLang's
-    flattened-bucket format; see miles_core.sglang_ipc). The bytes never leave the GPU."""
+    flattened-bucket format; see miles_core.weight_sync.cuda_ipc). The bytes never leave the GPU."""
 
     def __init__(self, bucket_megabytes: int = 512, api_key: str | None = None, engine_dtype: str = "bfloat16",
                  **_: Any):
@@ -255,7 +255,7 @@ def broadcast_to_engines(state: dict[str, torch.Tensor], group, urls: list[str],
     plus a float32 `weight_scale_inv` each (the block-FP8 engine's parameters), the rest in dtype."""
     state = checkpoint_layout(state)
     if fp8:
-        from miles_core.quantization import quantize_named_tensors
+        from miles_core.weight_sync.quantization import quantize_named_tensors
 
         state = dict(quantize_named_tensors(state.items(), dtype=dtype or torch.bfloat16))
     elif dtype is not None:

@@ -1,4 +1,4 @@
-"""A linear layer holding its weight in block FP8 (miles_core.quantization's layout), for an
+"""A linear layer holding its weight in block FP8 (miles_core.weight_sync.quantization's layout), for an
 engine that generates with rollout.precision=fp8 itself (the embedded engine; not wired in yet:
 config validation still refuses fp8 with it).
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_core.quantization import BLOCK, emulated_fp8_linear, is_quantized_weight, quantize_block_fp8
+from miles_core.weight_sync.quantization import BLOCK, emulated_fp8_linear, is_quantized_weight, quantize_block_fp8
 
 
 class Fp8BlockLinear(torch.nn.Module):

@@ -11,8 +11,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from miles_core.evaluation import HELDOUT, by_dataset, eval_metrics, result_metrics
-from miles_core.tracking import client_for, metric_history
+from miles_core.evaluation.core import HELDOUT, by_dataset, eval_metrics, result_metrics
+from miles_core.tracking.runs import client_for, metric_history
 
 REPORT_ARTIFACT = "eval/report.json"
 MAX_SAMPLES_PER_DATASET = 8

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.config import RunConfig
-from miles_core.data import Prompt, read_prompts
+from miles_core.data import read_prompts
 from miles_core.plugins import load_plugin
 from miles_core.rewards import get_reward
 from miles_core.rollout.context import run_generate_fn
 from miles_core.rollout.router import generate_in_shards
+from miles_core.types import Prompt
 
 MAX_EXAMPLES = 8
 HELDOUT = "heldout"
@@ -153,7 +154,7 @@ def evaluate_all(cfg: RunConfig, model_dir: str | Path | None, default_eval_path
                                         external_timeout_seconds)
         return {HELDOUT: metrics}
     if engine is None:
-        from miles_core.rollout.engine import EmbeddedEngine  # torch + transformers: only when generating
+        from miles_core.engines.embedded.engine import EmbeddedEngine  # torch + transformers: only when generating
 
         engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads)
     tokenizer = engine.tokenizer

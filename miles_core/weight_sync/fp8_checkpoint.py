@@ -14,7 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
-from miles_core.quantization import fp8_quantization_config, quantize_named_tensors
+from miles_core.weight_sync.quantization import fp8_quantization_config, quantize_named_tensors
 
 _INDEX = "model.safetensors.index.json"
 
@@ -50,7 +50,7 @@ def block_shape_problems(hf_config: dict, tp: int, block: int = 128) -> list[str
 
 def write_fp8_checkpoint(src_dir: str | Path, dst_dir: str | Path) -> Path:
     """Copies the HF directory src_dir to dst_dir with its decoder layers' linear weights in
-    block FP8 (miles_core.quantization) and `quantization_config` added to config.json.
+    block FP8 (miles_core.weight_sync.quantization) and `quantization_config` added to config.json.
     Rewritten whole each time (deterministic), into a temporary directory renamed at the end so
     that an interrupted conversion never leaves a half-written checkpoint behind."""
     src, dst = Path(src_dir), Path(dst_dir)

@@ -1,7 +1,7 @@
 """One training run's live parts, owned by one object: `TrainingRun` starts the trainer and
 engine actors, the weight transport, the periodic evaluator and the rollout schedule, resumes
 from the latest complete checkpoint, and releases everything on close. The loop
-(miles_core.loop) drives it; the driver (miles_core.driver) opens it from a TrainSpec.
+(miles_core.driver.loop) drives it; the driver (miles_core.driver.session) opens it from a TrainSpec.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Any
 import ray
 from transformers import AutoTokenizer
 
-from miles_core import checkpoint as ckpt
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, read_prompts
-from miles_core.periodic_eval import PeriodicEvaluator
-from miles_core.placement import Placement, bundles
+from miles_core.driver.placement import Placement, bundles
+from miles_core.driver.trainer_group import kill_trainer, start_trainer_group
+from miles_core.evaluation.periodic import PeriodicEvaluator
 from miles_core.rollout.engine_group import EngineGroup
-from miles_core.trainer_group import kill_trainer, start_trainer_group
-from miles_core.weights import WeightTransport, make_transport
+from miles_core.storage import checkpoint as ckpt
+from miles_core.weight_sync.transports import WeightTransport, make_transport
 
 log = logging.getLogger(__name__)
 MetricsFn = Callable[[int, dict[str, float]], None]
@@ -35,13 +35,13 @@ def _noop(*_: Any) -> None:
 def _engine_model_dir(cfg: RunConfig, model_dir: str, run_dir: Path) -> str:
     """The directory the rollout engines start from: model_dir, or with rollout.precision=fp8 a
     block-FP8 copy of it in the run directory (SGLang builds FP8 parameters only for a checkpoint
-    that declares them; see miles_core.fp8_checkpoint)."""
+    that declares them; see miles_core.weight_sync.fp8_checkpoint)."""
     if cfg.rollout.precision != "fp8":
         return model_dir
     import json
 
-    from miles_core.fp8_checkpoint import block_shape_problems, write_fp8_checkpoint
     from miles_core.rollout.engine_group import engine_tp_size
+    from miles_core.weight_sync.fp8_checkpoint import block_shape_problems, write_fp8_checkpoint
 
     tp = engine_tp_size(cfg.rollout.engine, cfg.rollout.gpus_per_engine)
     problems = block_shape_problems(json.loads((Path(model_dir) / "config.json").read_text()), tp)

@@ -4,7 +4,7 @@ It opens the TrainingRun (actors, engines, transport), resumes from the latest c
 checkpoint, runs the loop, and exports the policy; with an MLflow run and an object store in
 the spec it also logs each step's metrics before the checkpoint that covers it, and uploads
 each checkpoint in the background. The flow's train task runs it inline, or as a Ray Job
-(`python -m miles_core.driver --spec SPEC.json ...`, see miles_core/ray_jobs.py); either way
+(`python -m miles_core.driver.session --spec SPEC.json ...`, see miles_core/driver/ray_jobs.py); either way
 the same code logs and uploads, so a job that outlives its Prefect task loses nothing.
 """
 
@@ -20,14 +20,15 @@ from pathlib import Path
 import fsspec
 from pydantic import BaseModel, ConfigDict
 
-from miles_core import checkpoint as ckpt
-from miles_core import tracking, uploads
 from miles_core.config import RunConfig
-from miles_core.evaluation import HELDOUT, metric_key
-from miles_core.loop import run_loop
-from miles_core.periodic_eval import PHASE
-from miles_core.run import LoopState, MetricsFn, RunHooks, TrainingRun
-from miles_core.storage import write_json_atomic
+from miles_core.driver.loop import run_loop
+from miles_core.driver.run import LoopState, MetricsFn, RunHooks, TrainingRun
+from miles_core.evaluation.core import HELDOUT, metric_key
+from miles_core.evaluation.periodic import PHASE
+from miles_core.storage import checkpoint as ckpt
+from miles_core.storage import uploads
+from miles_core.storage.object_store import write_json_atomic
+from miles_core.tracking import runs as tracking
 
 log = logging.getLogger(__name__)
 HELDOUT_PASS_AT_1 = metric_key(PHASE, HELDOUT, "pass@1")

@@ -18,8 +18,8 @@ import fsspec
 from pydantic import BaseModel, ConfigDict
 
 from miles_core.config import RunConfig
-from miles_core.models import materialize_model, model_identity
-from miles_core.storage import write_json_atomic
+from miles_core.storage.models import materialize_model, model_identity
+from miles_core.storage.object_store import write_json_atomic
 
 log = logging.getLogger(__name__)
 ARTIFACT_VERSION = "v2"
@@ -184,7 +184,9 @@ def fetch_model(model_uri: str, cfg: RunConfig, dest: Path) -> Path:
     an object-store URI (downloaded under dest), or a local path used in place. A training
     checkpoint (model.safetensors, no config.json) gets the config and tokenizer of the recipe's
     starting model, which has the same architecture."""
-    from miles_core import registry, storage, tracking
+    from miles_core.storage import object_store as storage
+    from miles_core.tracking import registry
+    from miles_core.tracking import runs as tracking
 
     if model_uri.startswith("models:/"):
         local = registry.download_model(tracking.tracking_uri(cfg), model_uri, dest / "download")

@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from miles_core.rollout.http_requests import _error, _sglang_error
+from miles_core.engines.embedded.http_requests import _error, _sglang_error
 
 if TYPE_CHECKING:
-    from miles_core.rollout.engine_service import EngineService
+    from miles_core.engines.embedded.service import EngineService
 
 logger = logging.getLogger(__name__)
 

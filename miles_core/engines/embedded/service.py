@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from miles_core.lora_weights import is_adapter_payload
+from miles_core.engines.embedded.engine import EmbeddedEngine, split_sampling_params
+from miles_core.engines.embedded.retract import continuation_seed, merge_continuation, unfinished_rows
 from miles_core.net import init_custom_process_group
-from miles_core.rollout.engine import EmbeddedEngine, split_sampling_params
-from miles_core.rollout.retract import continuation_seed, merge_continuation, unfinished_rows
-from miles_core.weight_layout import checkpoint_layout
+from miles_core.weight_sync.layout import checkpoint_layout
+from miles_core.weight_sync.lora import is_adapter_payload
 
 logger = logging.getLogger(__name__)
 DTYPES = {"auto": "float32", "float": "float32", "half": "float16"}
@@ -153,7 +153,7 @@ class EngineService:
             await asyncio.sleep(0.02)
 
     def pause(self, mode: str) -> None:
-        """SGLang's modes (see miles_core.rollout.retract): 'abort' ends running and queued
+        """SGLang's modes (see miles_core.engines.embedded.retract): 'abort' ends running and queued
         requests (their tokens so far, finish_reason abort); 'retract' ends the running call at
         its next decode step and holds its requests, which continue after /continue_generation
         from prompt + tokens so far (re-prefilled with the weights held then; one response to the
@@ -290,7 +290,7 @@ class EngineService:
         """Copy (a subset of) HF-named tensors into the live model. Callers hold self.lock.
         Over HTTP only checkpoint names are taken (SGLang's loaders skip transformers' fused
         MoE expert names without an error); in-process tensors may use either layout.
-        An adapter payload (miles_core.lora_weights) is merged into the engine's unmerged base
+        An adapter payload (miles_core.weight_sync.lora) is merged into the engine's unmerged base
         copy first."""
         adapters = is_adapter_payload(tensors)
         if adapters:

@@ -1,7 +1,7 @@
 """Client and launcher for SGLang's native HTTP API (the subset an RL trainer needs).
 
 `SGLangClient` speaks to a real `sglang.launch_server` or to our embedded stand-in
-(`miles_core.rollout.http_server`); both answer the same wire protocol, so CI exercises
+(`miles_core.engines.embedded.http_server`); both answer the same wire protocol, so CI exercises
 this exact code without SGLang installed. `SGLangLauncher` starts either as a subprocess.
 SGLang itself is never imported here: it pins a CUDA torch that CPU machines cannot install.
 """
@@ -22,9 +22,9 @@ from typing import Any
 
 import requests
 
+from miles_core.engines.sglang.args import server_arg_flags
 from miles_core.errors import InfrastructureError
 from miles_core.net import free_port
-from miles_core.rollout.sglang_args import server_arg_flags
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ class SGLangClient:
     def update_weights_from_ipc_handles(self, payloads: list[str], weight_version: str | None = None,
                                         flush_cache: bool = True) -> dict:
         """POST /update_weights_from_tensor in SGLang's flattened-bucket format: one base64 payload
-        per TP rank (miles_core.sglang_ipc.serialize_bucket), each CUDA IPC handles to a buffer on
+        per TP rank (miles_core.weight_sync.cuda_ipc.serialize_bucket), each CUDA IPC handles to a buffer on
         that rank's GPU. Inside a `weight_update_session` (SGLang 0.5.23 refuses it outside one)."""
         payload: dict[str, Any] = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
                                    **WEIGHT_UPDATE_DEFAULTS, "flush_cache": flush_cache}
@@ -290,7 +290,7 @@ def _log_tail(log_path: str | Path | None, lines: int = 30) -> str:
 class SGLangLauncher:
     """Starts `python -m <module> --model-path ... --host ... --port ...` in its own session
     (so stop() can end the server and every child it spawned) and waits until it is healthy.
-    `module` defaults to SGLang; tests pass `miles_core.rollout.http_server`.
+    `module` defaults to SGLang; tests pass `miles_core.engines.embedded.http_server`.
 
     A RolloutEngine (see interface.py) whose weights only move over HTTP."""
 

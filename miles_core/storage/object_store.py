@@ -10,8 +10,8 @@ from pathlib import Path
 
 import fsspec
 
-from miles_core.checkpoint import sha256_file
 from miles_core.errors import InfrastructureError
+from miles_core.storage.checkpoint import sha256_file
 
 # botocore's own per-request retries (5xx, throttling, connection errors, timeouts) stay on
 # but few: callers retry whole files with backoff, and with more inner attempts a hung

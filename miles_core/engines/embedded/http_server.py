@@ -3,9 +3,9 @@
 It lets CPU CI run the exact HTTP path a GPU cluster runs against `sglang.launch_server`:
 the same client, launcher, router and weight-update calls. Launch it like SGLang:
 
-    python -m miles_core.rollout.http_server --model-path DIR --host 127.0.0.1 --port 30000
+    python -m miles_core.engines.embedded.http_server --model-path DIR --host 127.0.0.1 --port 30000
 
-The routes are thin: what they do is `engine_service.EngineService`'s. What a body may be is
+The routes are thin: what they do is `service.EngineService`'s. What a body may be is
 `http_requests`'; what one client may ask and how long it may take, `http_limits`'.
 """
 
@@ -30,12 +30,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from miles_core.lora_weights import payload_bytes
-from miles_core.rollout.engine import EmbeddedEngine
-from miles_core.rollout.engine_service import EngineService, EngineUnavailable, weight_result
-from miles_core.rollout.engine_service import Request as InFlight
-from miles_core.rollout.http_limits import RequestGate, ServerLimits, timed_protocol
-from miles_core.rollout.http_requests import (
+from miles_core.engines.embedded.engine import EmbeddedEngine
+from miles_core.engines.embedded.http_limits import RequestGate, ServerLimits, timed_protocol
+from miles_core.engines.embedded.http_requests import (
     AbortReq,
     BeginWeightUpdateReqInput,
     ContinueGenerationReqInput,
@@ -56,8 +53,11 @@ from miles_core.rollout.http_requests import (
     _sglang_error,
     _validated,
 )
-from miles_core.rollout.sglang_args import SERVER_ARGS
-from miles_core.shared_weights import BufferHandle, SharedWeights
+from miles_core.engines.embedded.service import EngineService, EngineUnavailable, weight_result
+from miles_core.engines.embedded.service import Request as InFlight
+from miles_core.engines.sglang.args import SERVER_ARGS
+from miles_core.weight_sync.lora import payload_bytes
+from miles_core.weight_sync.shared import BufferHandle, SharedWeights
 
 logger = logging.getLogger(__name__)
 SERVER_VERSION = "miles-embedded-1"
@@ -377,10 +377,10 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 0, *, toke
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The sglang.launch_server flags a recipe may set (miles_core.rollout.sglang_args): ours are
+    """The sglang.launch_server flags a recipe may set (miles_core.engines.sglang.args): ours are
     honoured or accepted. Anything else exits with an error at start, as SGLang does."""
     # No abbreviations: a prefix SGLang would resolve (or reject as ambiguous) is never meant.
-    parser = argparse.ArgumentParser(prog="python -m miles_core.rollout.http_server", allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="python -m miles_core.engines.embedded.http_server", allow_abbrev=False)
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)

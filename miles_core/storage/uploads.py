@@ -28,10 +28,10 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from miles_core import checkpoint as ckpt
-from miles_core import storage
 from miles_core.config import CheckpointConfig
 from miles_core.errors import InfrastructureError
+from miles_core.storage import checkpoint as ckpt
+from miles_core.storage import object_store as storage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

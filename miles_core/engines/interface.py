@@ -1,7 +1,7 @@
 """What an engine actor needs of the rollout engine it hosts, whichever engine that is.
 
 Two implementations: the embedded engine's HTTP server (`http_server.ServerHandle`, in the
-actor's process) and SGLang (`sglang_client.SGLangLauncher`, a child process). Both serve
+actor's process) and SGLang (`sglang.client.SGLangLauncher`, a child process). Both serve
 SGLang's HTTP API at `url`, and everything that API carries (generation, health, weight
 updates from disk or by broadcast) goes through `SGLangClient` and the `Router`, the same
 code for both engines. This interface is the rest: tensors handed over in-process, the digest
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from miles_core.shared_weights import BufferHandle
+    from miles_core.weight_sync.shared import BufferHandle
 
 
 class RolloutEngine(Protocol):
@@ -30,7 +30,7 @@ class RolloutEngine(Protocol):
         ...
 
     def map_shared_weights(self, handle: BufferHandle) -> dict:
-        """Map the trainer's shared weight buffer (miles_core.shared_weights) for later loads."""
+        """Map the trainer's shared weight buffer (miles_core.weight_sync.shared) for later loads."""
         ...
 
     def load_shared_weights(self, weight_version: str) -> dict:
@@ -38,7 +38,7 @@ class RolloutEngine(Protocol):
         ...
 
     def weights_sha256(self) -> str:
-        """Digest of the served weights (`weight_layout.weights_sha256`), to verify a sync."""
+        """Digest of the served weights (`weight_sync.layout.weights_sha256`), to verify a sync."""
         ...
 
     def stop(self) -> None:

@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles_core.checkpoint import check_run_key, step_dir_name
 from miles_core.config import RunConfig
-from miles_core.redaction import redact, redact_text
+from miles_core.storage.checkpoint import check_run_key, step_dir_name
+from miles_core.tracking.redaction import redact, redact_text
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric

@@ -1,5 +1,5 @@
 """The RL loop: rollout -> reward -> train -> weight sync, under a rollout schedule
-(sync, one-step-off or fully async; see miles_core.schedules).
+(sync, one-step-off or fully async; see miles_core.driver.schedules).
 
 Runs in the driver process; trainer and engines are Ray actors. Resumable: everything the
 next step depends on (weights, optimizer, data cursor, RNG, step, weight version) is in the
@@ -19,16 +19,17 @@ import torch
 
 from miles_core import algorithms as algo
 from miles_core.config import RunConfig
-from miles_core.data import PromptSource, Sample, sft_samples
+from miles_core.data import PromptSource, sft_samples
+from miles_core.driver.schedules import SCHEDULES, RolloutBatch, timed
+from miles_core.driver.time_sharing import time_sharing
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.partial import version_metrics
 from miles_core.rollout.partial_pool import PartialPool
 from miles_core.rollout.router import NoHealthyEngine
-from miles_core.schedules import SCHEDULES, RolloutBatch, timed
-from miles_core.time_sharing import time_sharing
+from miles_core.types import Sample
 
 if TYPE_CHECKING:
-    from miles_core.run import LoopState, TrainingRun
+    from miles_core.driver.run import LoopState, TrainingRun
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
             run.hooks.on_metrics(step, metrics)
 
     schedule = _schedule(run, manager)
-    sharing = time_sharing(cfg, run.trainer, engines)  # placement.time_sharing: see miles_core.time_sharing
+    sharing = time_sharing(cfg, run.trainer, engines)  # placement.time_sharing: see miles_core.driver.time_sharing
     try:
         sharing.start()
         while state.step < cfg.training.num_steps:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
-from miles_core.tracking import client_for
+from miles_core.tracking.runs import client_for
 
 SCORE_TAG = "eval_pass_at_1"
 CHAMPION = "champion"

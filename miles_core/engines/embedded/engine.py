@@ -23,8 +23,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from miles_core.lora_weights import AdapterMerger, is_adapter_payload, payload_bytes
-from miles_core.rollout.slot_decoder import (
+from miles_core.engines.embedded.slot_decoder import (
     Finished,
     Sampling,
     SlotDecoder,
@@ -33,7 +32,8 @@ from miles_core.rollout.slot_decoder import (
     supports,
     warped_scores,
 )
-from miles_core.weight_layout import fused_layout, weights_sha256
+from miles_core.weight_sync.layout import fused_layout, weights_sha256
+from miles_core.weight_sync.lora import AdapterMerger, is_adapter_payload, payload_bytes
 
 MEMORY_TAGS = {"weights", "kv_cache", "cuda_graph"}
 """SGLang's GPU memory tags (release/resume_memory_occupation)."""
@@ -113,8 +113,8 @@ class EmbeddedEngine:
                       if use_slots else None)
 
     def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:
-        """HF-named weights in either MoE expert layout (see miles_core.weight_layout), or an
-        adapter payload (miles_core.lora_weights), merged into the unmerged base copy."""
+        """HF-named weights in either MoE expert layout (see miles_core.weight_sync.layout), or an
+        adapter payload (miles_core.weight_sync.lora), merged into the unmerged base copy."""
         if is_adapter_payload(named_tensors):
             try:
                 merged = self.adapters.merged(self.model.state_dict(), named_tensors)

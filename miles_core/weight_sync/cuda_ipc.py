@@ -26,10 +26,10 @@ from types import SimpleNamespace
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reducers with ForkingPickler
 
-from miles_core.rollout.sglang_client import SGLangClient
-from miles_core.shared_weights import flat_layout
-from miles_core.weight_layout import checkpoint_layout
-from miles_core.weights import bucket_names
+from miles_core.engines.sglang.client import SGLangClient
+from miles_core.weight_sync.layout import checkpoint_layout
+from miles_core.weight_sync.shared import flat_layout
+from miles_core.weight_sync.transports import bucket_names
 
 _DEVICE_ARG = 6  # torch's reduce_tensor(cuda tensor) args: (type, size, stride, offset, storage type, dtype, device, ...)
 
@@ -39,7 +39,7 @@ class BucketLayout:
     """Where each tensor of a bucket goes in its buffer, and SGLang's metadata for it."""
 
     numel: int
-    """Elements of the buffer (each tensor aligned as shared_weights.flat_layout aligns it)."""
+    """Elements of the buffer (each tensor aligned as shared.flat_layout aligns it)."""
     places: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]
     """(shape, contiguous strides, offset in elements) of each tensor, in the bucket's order."""
     metadata: tuple[SimpleNamespace, ...]

@@ -24,12 +24,12 @@ from typing import Any
 
 import ray
 
-from miles_core import evaluation
 from miles_core.config import RunConfig
 from miles_core.config.rollout import DiskTransport, ObjectStoreTransport
-from miles_core.evaluation import EngineGroupEval, eval_metrics
+from miles_core.evaluation import core as evaluation
+from miles_core.evaluation.core import EngineGroupEval, eval_metrics
 from miles_core.rollout.engine_group import EngineGroup
-from miles_core.weights import make_transport
+from miles_core.weight_sync.transports import make_transport
 
 log = logging.getLogger(__name__)
 PHASE = "periodic"

@@ -22,7 +22,7 @@ from pathlib import Path
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from miles_core.config import PlacementConfig
-from miles_core.driver import TrainResult, TrainSpec
+from miles_core.driver.session import TrainResult, TrainSpec
 from miles_core.errors import InfrastructureError, is_retryable_class
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def submit_or_attach(client: JobSubmissionClient, run_key: str, driver_dir: Path
     sid = f"{PREFIX}{run_key}-{jobs[-1][0] + 1 if jobs else 1}"
     files = JobFiles.of(driver_dir, sid)
     files.job.write_text(spec.model_dump_json())
-    entrypoint = shlex.join([python, "-m", "miles_core.driver", "--spec", str(files.job),
+    entrypoint = shlex.join([python, "-m", "miles_core.driver.session", "--spec", str(files.job),
                              "--progress", str(files.progress), "--result", str(files.result)])
     client.submit_job(entrypoint=entrypoint, submission_id=sid, entrypoint_num_cpus=0,
                       metadata={"miles.run_key": run_key})

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from miles_core.config import RunConfig
-from miles_core.data import Sample
+from miles_core.types import Sample
 
 
 @dataclass
