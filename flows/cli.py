@@ -38,9 +38,6 @@ def _register_stack() -> None:
 
 _register_stack()
 
-STAGES = ["prepare-model", "prepare-data", "ensure-ray", "sft-warmup", "convert-checkpoint",
-          "evaluate (before)", "train", "upload-artifacts", "evaluate (after)", "register-model", "promote (eval gate)"]
-
 
 # Read by huggingface_hub and transformers once, at import: set before the recipe's input checks
 # load a tokenizer, or a log file gets progress bars and library warnings.
@@ -180,6 +177,8 @@ def plan(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/loca
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
+    from miles_core.summary import STAGES
+
     console.print("stages: " + " -> ".join(STAGES))
 
 

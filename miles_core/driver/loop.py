@@ -22,6 +22,7 @@ from miles_core.config import RunConfig
 from miles_core.data import PromptSource, sft_samples
 from miles_core.driver.schedules import SCHEDULES, RolloutBatch, timed
 from miles_core.driver.time_sharing import time_sharing
+from miles_core.metrics import REWARD_MEAN, STEP_SECONDS, TRAIN_LOSS, TRAIN_SECONDS
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.partial import version_metrics
 from miles_core.rollout.partial_pool import PartialPool
@@ -94,7 +95,7 @@ def rollout_metrics(cfg: RunConfig, samples: list[Sample]) -> dict[str, float]:
     rewards = [s.reward for s in samples]
     groups = [rewards[i : i + n] for i in range(0, len(rewards), n)]
     return {
-        "rollout/reward_mean": statistics.fmean(rewards),
+        REWARD_MEAN: statistics.fmean(rewards),
         "rollout/reward_std": statistics.pstdev(rewards),
         "rollout/response_len_mean": statistics.fmean(len(s.response_ids) for s in samples),
         "rollout/truncated_frac": statistics.fmean(s.finish_reason == "length" for s in samples),
@@ -142,12 +143,12 @@ def make_producer(run: TrainingRun, manager: RolloutManager):
 def train_on(cfg: RunConfig, trainer: Any, batch: RolloutBatch) -> dict[str, float]:
     started = time.perf_counter()
     if cfg.algorithm.name == "sft":
-        metrics = {"train/loss": ray.get(trainer.sft_step.remote(batch.samples))}
+        metrics = {TRAIN_LOSS: ray.get(trainer.sft_step.remote(batch.samples))}
     else:
         metrics = ray.get(trainer.train_step.remote(batch.samples))
-    if not math.isfinite(metrics["train/loss"]):  # permanent: a retry would diverge again
-        raise FloatingPointError(f"non-finite loss: {metrics['train/loss']}; lower training.lr or check the rewards")
-    return metrics | {"time/train_seconds": time.perf_counter() - started}
+    if not math.isfinite(metrics[TRAIN_LOSS]):  # permanent: a retry would diverge again
+        raise FloatingPointError(f"non-finite loss: {metrics[TRAIN_LOSS]}; lower training.lr or check the rewards")
+    return metrics | {TRAIN_SECONDS: time.perf_counter() - started}
 
 
 def make_partial_producer(run: TrainingRun, manager: RolloutManager):
@@ -211,9 +212,9 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
                 metrics |= sharing.push(lambda: run.push_weights(state.weight_version))
                 if evaluator.due(state.step):  # rollout engines are held: rollout pauses
                     evaluator.run(state.step, state.weight_version, engines)
-            metrics |= throughput(batch, metrics["time/train_seconds"])
+            metrics |= throughput(batch, metrics[TRAIN_SECONDS])
             metrics |= {"time/rollout_seconds": batch.seconds, "time/rollout_wait_seconds": waited,
-                        "time/step_seconds": time.perf_counter() - started,
+                        STEP_SECONDS: time.perf_counter() - started,
                         "rollout/weight_version": float(batch.version)}
             state.history.append({"step": state.step, **metrics})
             run.hooks.on_metrics(state.step, metrics)

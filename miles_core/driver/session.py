@@ -25,6 +25,7 @@ from miles_core.driver.loop import run_loop
 from miles_core.driver.run import LoopState, MetricsFn, RunHooks, TrainingRun
 from miles_core.evaluation.core import HELDOUT, metric_key
 from miles_core.evaluation.periodic import PHASE
+from miles_core.metrics import REWARD_MEAN, STEP_SECONDS, TRAIN_LOSS
 from miles_core.storage import checkpoint as ckpt
 from miles_core.storage import uploads
 from miles_core.storage.object_store import write_json_atomic
@@ -165,9 +166,9 @@ class ProgressLog:
 def step_summary(state: LoopState) -> str:
     """Reward (or loss) and step time of the last step."""
     last = state.history[-1]
-    score = (f"reward {last['rollout/reward_mean']:.3f}" if "rollout/reward_mean" in last
-             else f"loss {last['train/loss']:.3f}")
-    return f"{score}  step {last['time/step_seconds']:.2f}s"
+    score = (f"reward {last[REWARD_MEAN]:.3f}" if REWARD_MEAN in last
+             else f"loss {last[TRAIN_LOSS]:.3f}")
+    return f"{score}  step {last[STEP_SECONDS]:.2f}s"
 
 
 def _start_uploads(spec: TrainSpec) -> uploads.CheckpointUploader | None:

@@ -28,13 +28,12 @@ from miles_core.config import RunConfig
 from miles_core.config.rollout import DiskTransport, ObjectStoreTransport
 from miles_core.evaluation import core as evaluation
 from miles_core.evaluation.core import EngineGroupEval, eval_metrics
+from miles_core.metrics import PERIODIC_EVAL_SECONDS
 from miles_core.rollout.engine_group import EngineGroup
 from miles_core.weight_sync.transports import make_transport
 
 log = logging.getLogger(__name__)
 PHASE = "periodic"
-EVAL_SECONDS = "time/periodic_eval_seconds"
-"""Seconds a periodic evaluation took, logged beside its pass@k."""
 
 
 class PeriodicEvaluator:
@@ -101,7 +100,7 @@ class PeriodicEvaluator:
         log.info("periodic eval at step %d: %s", step,
                  ", ".join(f"{k.split('/', 2)[2]} {v:.3f}" for k, v in metrics.items()))
         # on the rollout engines it holds training: time-to-accuracy figures subtract it
-        return {**metrics, EVAL_SECONDS: time.perf_counter() - started}
+        return {**metrics, PERIODIC_EVAL_SECONDS: time.perf_counter() - started}
 
     def _external(self, step: int) -> dict[str, float]:
         with tempfile.TemporaryDirectory(prefix=f"miles-eval-step{step}-", dir=self.run_dir) as tmp:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_core.config import RunConfig
+from miles_core.metrics import STEP_SECONDS
 from miles_core.storage.checkpoint import check_run_key, step_dir_name
 from miles_core.tracking.redaction import redact, redact_text
 
@@ -168,7 +169,7 @@ class MetricsLogger:
     finishes a few steps late still land at its own step.
     """
 
-    def __init__(self, uri: str, run_id: str, probe_metric: str = "time/step_seconds"):
+    def __init__(self, uri: str, run_id: str, probe_metric: str = STEP_SECONDS):
         self.client, self.run_id, self.probe_metric = client_for(uri), run_id, probe_metric
         history = self.client.get_metric_history(run_id, probe_metric)
         self.logged_through = max((m.step for m in history), default=0)

@@ -19,6 +19,7 @@ import torch
 from miles_core import algorithms as algo
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
+from miles_core.metrics import TRAIN_LOSS
 from miles_core.net import init_custom_process_group, rendezvous_endpoint
 from miles_core.training.batches import Batch, mixed_version_fraction, select_rows
 from miles_core.training.data_parallel import sum_metrics_over_ranks, sum_over_ranks
@@ -206,7 +207,7 @@ class RLTrainerCore:
             self._sync_and_clip(*self._critic_modules())
             self.critic_optimizer.step()
             self.critic_scheduler.step()
-        sums.setdefault("train/loss", sums.get("train/value_loss", 0.0))
+        sums.setdefault(TRAIN_LOSS, sums.get("train/value_loss", 0.0))
         return sums
 
     def _loss(self, mb: Batch, totals: dict[str, float]) -> tuple[torch.Tensor, dict]:

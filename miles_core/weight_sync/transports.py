@@ -17,6 +17,7 @@ import torch
 
 from miles_core.config.rollout import TransportConfig
 from miles_core.engines.sglang.client import SGLangClient
+from miles_core.metrics import SYNC_SECONDS
 from miles_core.weight_sync.layout import checkpoint_layout
 
 Target = tuple[Any, str]  # (engine actor handle, engine base URL)
@@ -64,7 +65,7 @@ class ObjectStoreTransport:
         if self.verify:
             _verify(trainer, targets, version)
         # bytes each engine received (what one engine's sync moves), as the engine counted them
-        return {"weights/sync_seconds": time.perf_counter() - started,
+        return {SYNC_SECONDS: time.perf_counter() - started,
                 "weights/sync_bytes": float(max(r.get("received_bytes", 0) for r in results))}
 
 
@@ -98,7 +99,7 @@ class SharedMemoryTransport:
         done = time.perf_counter()
         if self.verify:
             _verify(trainer, targets, version)
-        return {"weights/sync_seconds": done - started, "weights/shared_write_seconds": written - started,
+        return {SYNC_SECONDS: done - started, "weights/shared_write_seconds": written - started,
                 "weights/shared_load_seconds": done - written}
 
 
@@ -123,7 +124,7 @@ class DiskTransport:
                 shutil.rmtree(old, ignore_errors=True)
         if self.verify:
             _verify(trainer, targets, version)
-        return {"weights/sync_seconds": time.perf_counter() - started}
+        return {SYNC_SECONDS: time.perf_counter() - started}
 
 
 class BroadcastTransport:
@@ -178,7 +179,7 @@ class BroadcastTransport:
         done = time.perf_counter()
         if self.verify:
             _verify(trainer, targets, version)
-        return {"weights/sync_seconds": done - started, "weights/broadcast_seconds": done - connected,
+        return {SYNC_SECONDS: done - started, "weights/broadcast_seconds": done - connected,
                 "weights/broadcast_gbytes": sent_bytes / 1e9}
 
 
@@ -197,7 +198,7 @@ class CudaIpcTransport:
         started = time.perf_counter()
         sent_bytes = ray.get(trainer.send_weights_over_cuda_ipc.remote(
             [url for _, url in targets], str(version), self.bucket_bytes, self.engine_dtype, self.api_key))
-        return {"weights/sync_seconds": time.perf_counter() - started, "weights/ipc_gbytes": sent_bytes / 1e9}
+        return {SYNC_SECONDS: time.perf_counter() - started, "weights/ipc_gbytes": sent_bytes / 1e9}
 
 
 def broadcast_rank_layout(num_engines: int, ranks_per_engine: int) -> tuple[list[int], int]:
