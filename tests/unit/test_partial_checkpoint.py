@@ -152,6 +152,7 @@ def test_restored_groups_too_stale_are_dropped_and_counted(tmp_path):
     run = Run(cfg)
     run.steps(0, CHECKPOINT_STEP)
     cursor, state = run.checkpoint()
+    state |= {"tokens_thrown_away": 50, "groups_thrown_away": 3}  # counted before the checkpoint
     pool = read_pool_state(write_pool_state(tmp_path, state).parent, group_size=2)
     tokens = sum(len(s.response_ids) for g in pool.pending for s in g)
     assert tokens > 0
