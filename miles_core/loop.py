@@ -243,7 +243,7 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
             record_evals(wait=checkpoint_due)  # an eval becomes durable with the checkpoint after its step
             if checkpoint_due:
                 run.hooks.before_checkpoint(state.step)
-                run.save(state, cursor or batch.cursor, partial)
+                run.save(state, batch.cursor if cursor is None else cursor, partial)
                 run.hooks.on_checkpoint(state.step)
             run.hooks.on_step(state)
     finally:
