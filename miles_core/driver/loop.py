@@ -26,6 +26,7 @@ from miles_core.metrics import REWARD_MEAN, STEP_SECONDS, TRAIN_LOSS, TRAIN_SECO
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.partial import version_metrics
 from miles_core.rollout.partial_pool import PartialPool
+from miles_core.rollout.partial_state import PoolRecord, record_batch
 from miles_core.rollout.router import NoHealthyEngine
 from miles_core.types import Sample
 
@@ -151,21 +152,19 @@ def train_on(cfg: RunConfig, trainer: Any, batch: RolloutBatch) -> dict[str, flo
     return metrics | {TRAIN_SECONDS: time.perf_counter() - started}
 
 
-def make_partial_producer(run: TrainingRun, manager: RolloutManager):
+def make_partial_producer(run: TrainingRun, manager: RolloutManager, pool: PartialPool | None = None):
     """rollout.partial: (step, engine version) -> a batch of num_prompts_per_step finished groups,
     or None when this round (cut short by a weight update, or with groups still running) finished
     too few; partial groups wait in the pool and continue with the next round's weights. The
     batch's version is the engines' at the end (its tokens carry their own, token_weight_versions).
-    Partial groups are not checkpointed: a resumed run starts them again from new prompts."""
+    `pool` (new_pool's, possibly restored from a checkpoint) holds the groups between rounds."""
     cfg, source = run.cfg, run.source
-    pool = PartialPool(manager, cfg.rollout.num_samples_per_prompt, cfg.rollout.partial.max_staleness_versions)
-    rounds = [0]
+    pool = pool or new_pool(cfg, manager)
 
     def produce(step: int, version: int) -> RolloutBatch | None:
         wanted = cfg.rollout.num_prompts_per_step
         new = pool.prompts_wanted(wanted)
-        pool.round(source.next_batch(new) if new else [], version, seed=cfg.seed * 100_003 + rounds[0] * 97)
-        rounds[0] += 1
+        pool.round(source.next_batch(new) if new else [], version, seed=cfg.seed * 100_003 + pool.rounds * 97)
         samples = pool.take(wanted)
         if samples is None:
             return None
@@ -175,11 +174,34 @@ def make_partial_producer(run: TrainingRun, manager: RolloutManager):
     return timed(produce)
 
 
-def _schedule(run: TrainingRun, manager: RolloutManager):
+def new_pool(cfg: RunConfig, manager: RolloutManager, restored: PoolRecord | None = None) -> PartialPool:
+    pool = PartialPool(manager, cfg.rollout.num_samples_per_prompt, cfg.rollout.partial.max_staleness_versions)
+    if restored is not None:
+        pool.restore(restored)
+    return pool
+
+
+def _schedule(run: TrainingRun, manager: RolloutManager, state: LoopState):
+    """The schedule, and with rollout.partial its producer's pool (restored with its unconsumed
+    batches when the checkpoint resumed from has them)."""
     cfg = run.cfg
-    if cfg.rollout.partial.enabled:  # validated: fully_async
-        return SCHEDULES["fully_async"](make_partial_producer(run, manager), cfg, engines=run.engines)
-    return SCHEDULES[cfg.rollout.loop.kind](make_producer(run, manager), cfg)
+    if not cfg.rollout.partial.enabled:
+        return SCHEDULES[cfg.rollout.loop.kind](make_producer(run, manager), cfg), None
+    pool = new_pool(cfg, manager, state.partial_pool)  # validated: fully_async
+    schedule = SCHEDULES["fully_async"](make_partial_producer(run, manager, pool), cfg, engines=run.engines)
+    if state.partial_pool is not None:
+        schedule.restore([record_batch(b) for b in state.partial_pool.batches])
+    return schedule, pool
+
+
+def producer_state(run: TrainingRun, schedule, pool: PartialPool | None) -> tuple[dict | None, dict | None]:
+    """rollout.partial, inside hold_engines (no round runs, the cut one has returned): the prompt
+    cursor now and the pool with the batches made and not yet trained, which a checkpoint stores
+    together so that a resume continues them. (None, None) without partial rollouts: a
+    checkpoint then stores its batch's cursor, and a resume makes the later batches again."""
+    if pool is None:
+        return None, None
+    return run.source.state_dict(), pool.state_dict(schedule.unconsumed())
 
 
 def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
@@ -194,7 +216,7 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
             state.periodic_eval.append({"step": step, **metrics})
             run.hooks.on_metrics(step, metrics)
 
-    schedule = _schedule(run, manager)
+    schedule, pool = _schedule(run, manager, state)
     sharing = time_sharing(cfg, run.trainer, engines)  # placement.time_sharing: see miles_core.driver.time_sharing
     try:
         sharing.start()
@@ -206,23 +228,24 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
             metrics |= train_on(cfg, run.trainer, batch)
             state.step += 1
             state.weight_version += 1
+            checkpoint_due = state.step % cfg.checkpoint.interval_steps == 0 or state.step == cfg.training.num_steps
             with schedule.hold_engines():  # no generation runs while weights change
                 if not sharing.enabled:  # time-sharing heals before it releases the engines
                     metrics["rollout/engine_restarts"] = float(len(engines.heal()))
                 metrics |= sharing.push(lambda: run.push_weights(state.weight_version))
                 if evaluator.due(state.step):  # rollout engines are held: rollout pauses
                     evaluator.run(state.step, state.weight_version, engines)
+                cursor, partial = producer_state(run, schedule, pool) if checkpoint_due else (None, None)
             metrics |= throughput(batch, metrics[TRAIN_SECONDS])
             metrics |= {"time/rollout_seconds": batch.seconds, "time/rollout_wait_seconds": waited,
                         STEP_SECONDS: time.perf_counter() - started,
                         "rollout/weight_version": float(batch.version)}
             state.history.append({"step": state.step, **metrics})
             run.hooks.on_metrics(state.step, metrics)
-            checkpoint_due = state.step % cfg.checkpoint.interval_steps == 0 or state.step == cfg.training.num_steps
             record_evals(wait=checkpoint_due)  # an eval becomes durable with the checkpoint after its step
             if checkpoint_due:
                 run.hooks.before_checkpoint(state.step)
-                run.save(state, batch.cursor)
+                run.save(state, batch.cursor if cursor is None else cursor, partial)
                 run.hooks.on_checkpoint(state.step)
             run.hooks.on_step(state)
     finally:

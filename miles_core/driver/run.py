@@ -21,6 +21,7 @@ from miles_core.driver.placement import Placement, bundles
 from miles_core.driver.trainer_group import kill_trainer, start_trainer_group
 from miles_core.evaluation.periodic import PeriodicEvaluator
 from miles_core.rollout.engine_group import EngineGroup
+from miles_core.rollout.partial_state import PoolRecord, read_pool_state, write_pool_state
 from miles_core.storage import checkpoint as ckpt
 from miles_core.weight_sync.transports import WeightTransport, make_transport
 
@@ -71,6 +72,8 @@ class LoopState:
     history: list[dict[str, float]] = field(default_factory=list)
     periodic_eval: list[dict[str, float]] = field(default_factory=list)
     """{"step": s, eval/periodic/...: value} per periodic evaluation of this attempt."""
+    partial_pool: PoolRecord | None = None
+    """rollout.partial: the pool of the checkpoint resumed from, for the producer to continue."""
 
 
 def _fsdp_trainer() -> type:
@@ -172,20 +175,26 @@ class TrainingRun:
             return LoopState(), None
         step, path = latest
         ckpt.check_resumable(path, self.identity)
+        # Read and validated before any state is restored: a bad file fails the resume whole.
+        r = self.cfg.rollout
+        pool = read_pool_state(path, r.num_samples_per_prompt) if r.partial.enabled else None
         ckpt.discard_after(self.checkpoints_dir, step)
         extra = ray.get(self.trainer.load_state.remote(str(path)))
         self.source.load_state_dict(extra["data"])
-        state = LoopState(step=int(extra["step"]), weight_version=int(extra["weight_version"]))
+        state = LoopState(step=int(extra["step"]), weight_version=int(extra["weight_version"]), partial_pool=pool)
         self.push_weights(state.weight_version)
         log.info("resumed from checkpoint step %d (%s)", step, path)
         return state, step
 
-    def save(self, state: LoopState, cursor: dict) -> Path:
-        """A complete checkpoint of the state after state.step (cursor: the data source's)."""
+    def save(self, state: LoopState, cursor: dict, partial: dict | None = None) -> Path:
+        """A complete checkpoint of the state after state.step (cursor: the data source's;
+        partial: the rollout.partial producer's pool taken with that cursor)."""
         extra = {"step": state.step, "weight_version": state.weight_version, "data": cursor}
 
         def write(staging: Path) -> None:
             ray.get(self.trainer.save_state.remote(str(staging), extra))
+            if partial is not None:  # in the staging dir: sealed by the same manifest, published by the same rename
+                write_pool_state(staging, partial)
 
         path = ckpt.write_checkpoint(self.checkpoints_dir, state.step, self.cfg.digest(), write, self.identity)
         ckpt.prune(self.checkpoints_dir, self.cfg.checkpoint.keep_latest)

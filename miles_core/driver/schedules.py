@@ -96,25 +96,56 @@ class FullyAsyncSchedule:
         self.engines = engines if r.partial.enabled else None
         self.update_waiting = threading.Event()
         """Set while hold_engines waits for the engines: the producer starts no round meanwhile."""
+        self.handoff = threading.Lock()
+        self.in_hand: RolloutBatch | None = None
+        """A batch made and not yet in the buffer (full): with the buffer, what `unconsumed` sees."""
 
     def _run(self) -> None:
         try:
+            if self.in_hand is not None:  # restored: one batch more than the buffer holds
+                self._hand_over()
             while not self.stop.is_set():
                 while self.update_waiting.is_set() and not self.stop.is_set():
                     time.sleep(0.01)
                 with self.engine_lock:
                     batch = self.produce(self.produced, self.engine_version)
-                if batch is None:  # a partial round: no group set is complete yet
-                    continue
-                self.produced += 1
-                while not self.stop.is_set():
-                    try:
-                        self.buffer.put(batch, timeout=0.2)
-                        break
-                    except queue.Full:
+                    if batch is None:  # a partial round: no group set is complete yet
                         continue
+                    self.in_hand = batch  # under the lock: a hold_engines sees it made, in hand or buffered
+                self.produced += 1
+                self._hand_over()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             self.buffer.put(exc)
+
+    def _hand_over(self, interval: float = 0.05) -> None:
+        """Move the batch in hand into the buffer once it has room (or until stopped); the batch is
+        in exactly one of the two at any time `unconsumed` can look."""
+        while not self.stop.is_set():
+            with self.handoff:
+                try:
+                    self.buffer.put_nowait(self.in_hand)
+                    self.in_hand = None
+                    return
+                except queue.Full:
+                    pass
+            time.sleep(interval)
+
+    def unconsumed(self) -> list[RolloutBatch]:
+        """Batches made and not yet handed to the loop, oldest first. Inside hold_engines the
+        producer makes none, so with its pool and prompt cursor this is the producer's whole state
+        (rollout.partial checkpoints it)."""
+        with self.handoff:
+            made = [b for b in list(self.buffer.queue) if isinstance(b, RolloutBatch)]
+            return made + ([self.in_hand] if self.in_hand is not None else [])
+
+    def restore(self, batches: list[RolloutBatch]) -> None:
+        """A checkpoint's unconsumed batches, handed out before any new one (call before next)."""
+        if self.thread is not None or len(batches) > self.buffer.maxsize + 1:
+            raise ValueError(f"cannot restore {len(batches)} batches into a buffer of {self.buffer.maxsize} "
+                             "(plus one in hand) once started or beyond its size")
+        for batch in batches[: self.buffer.maxsize]:
+            self.buffer.put_nowait(batch)
+        self.in_hand = batches[self.buffer.maxsize] if len(batches) > self.buffer.maxsize else None
 
     def next(self, step: int, version: int) -> RolloutBatch:
         if self.thread is None:
