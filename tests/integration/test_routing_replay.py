@@ -212,6 +212,30 @@ def _max_diff(trainer_logp: list[list[float]], samples: list[Sample]) -> float:
                for t, s in zip(trainer_logp, samples))
 
 
+def replay_then_free(trainer, samples: list[Sample]) -> dict:
+    """With the trainer's routers perturbed: max |trainer - rollout| log-prob and the experts each
+    router used, first replaying the rollout's experts, then routing freely (the same trainer)."""
+    _perturb_routers(trainer)
+    recorder = _RoutingMaps(trainer.model)
+    replayed = _max_diff(trainer.compute_logprobs(samples), samples)
+    used_with_replay = [m.cpu() for m in recorder.maps]
+    trainer.opts.routing_replay = False
+    recorder.maps.clear()
+    free = _max_diff(trainer.compute_logprobs(samples), samples)
+    used_free = [m.cpu() for m in recorder.maps]
+    recorder.close()
+    return {"replayed": replayed, "free": free, "used_with_replay": used_with_replay, "used_free": used_free}
+
+
+def check_replay(out: dict, expected: list[torch.Tensor], real: torch.Tensor) -> None:
+    """replay_then_free's result: replay used exactly the rollout's experts on every real token,
+    free routing differed somewhere, and replay brought the log-probs closer."""
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(out["used_with_replay"][layer][real], expected[layer][real]), layer
+    assert any((out["used_free"][layer][real] != expected[layer][real]).any() for layer in range(NUM_LAYERS))
+    assert out["replayed"] < out["free"]
+
+
 def test_megatron_forward_replays_the_engine_experts(dirs, engine):
     samples = _rollout_samples(engine, as_sglang=True)
     expected, real = _expected_maps(samples)
@@ -219,17 +243,10 @@ def test_megatron_forward_replays_the_engine_experts(dirs, engine):
     try:
         assert len(trainer.model.router_replays) == NUM_LAYERS
         unperturbed = _max_diff(trainer.compute_logprobs(samples), samples)
-        _perturb_routers(trainer)
-        recorder = _RoutingMaps(trainer.model)
-        replayed = _max_diff(trainer.compute_logprobs(samples), samples)
-        used_with_replay = recorder.maps[:]
-        trainer.opts.routing_replay = False  # the same trainer, routing freely
-        recorder.maps.clear()
-        free = _max_diff(trainer.compute_logprobs(samples), samples)
-        used_free = recorder.maps[:]
-        recorder.close()
+        out = replay_then_free(trainer, samples)
     finally:
         trainer.close()
+    replayed, free, used_with_replay, used_free = (out[k] for k in ("replayed", "free", "used_with_replay", "used_free"))
     print(f"max |train - rollout| logprob: unperturbed {unperturbed:.2e}, perturbed routers with replay "
           f"{replayed:.2e}, without replay {free:.2e}")
     assert len(used_with_replay) == len(used_free) == NUM_LAYERS  # one forward of micro-batch 4 per layer

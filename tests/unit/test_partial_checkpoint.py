@@ -245,13 +245,19 @@ def _run(tmp_path, monkeypatch, cfg) -> TrainingRun:
                        None)
 
 
-def test_the_run_saves_the_pool_with_its_checkpoint_and_resumes_it(tmp_path, monkeypatch):
-    cfg = config()
+def _saved_at_checkpoint(tmp_path, monkeypatch, cfg) -> dict:
+    """A run's checkpoint at CHECKPOINT_STEP with its pool file; returns the saved cursor."""
     run = Run(cfg)
     run.steps(0, CHECKPOINT_STEP)
     cursor, partial = run.checkpoint()
     _run(tmp_path, monkeypatch, cfg).save(LoopState(step=CHECKPOINT_STEP, weight_version=CHECKPOINT_STEP),
                                            cursor, partial)
+    return cursor
+
+
+def test_the_run_saves_the_pool_with_its_checkpoint_and_resumes_it(tmp_path, monkeypatch):
+    cfg = config()
+    cursor = _saved_at_checkpoint(tmp_path, monkeypatch, cfg)
     run = _run(tmp_path, monkeypatch, cfg)
     state, step = run.resume()
     assert step == CHECKPOINT_STEP and run.source.state_dict() == cursor
@@ -262,11 +268,7 @@ def test_the_run_saves_the_pool_with_its_checkpoint_and_resumes_it(tmp_path, mon
 
 def test_a_resume_from_a_bad_pool_file_restores_nothing(tmp_path, monkeypatch):
     cfg = config()
-    run = Run(cfg)
-    run.steps(0, CHECKPOINT_STEP)
-    cursor, partial = run.checkpoint()
-    _run(tmp_path, monkeypatch, cfg).save(LoopState(step=CHECKPOINT_STEP, weight_version=CHECKPOINT_STEP),
-                                           cursor, partial)
+    _saved_at_checkpoint(tmp_path, monkeypatch, cfg)
     path = tmp_path / "checkpoints" / ckpt.step_dir_name(CHECKPOINT_STEP)
     state = json.loads((path / POOL_FILE).read_text())
     state["done"] = state["pending"] = [[{"prompt_index": 0}] * 2]
