@@ -114,7 +114,7 @@ class OursInProcess:
 
         from miles_core.data import PromptSource, read_prompts
         from miles_core.engines.embedded.engine import EmbeddedEngine
-        from miles_core.engines.embedded.service import memory_args
+        from miles_core.engines.embedded.service import engine_args
         from miles_core.evaluation.core import EngineAsGroup
         from miles_core.rollout.engine_group import embedded_server_args
         from miles_core.rollout.manager import RolloutManager
@@ -127,7 +127,7 @@ class OursInProcess:
             self.trainer = FSDPTrainer(str(model_dir), cfg.training, cfg.algorithm, r.temperature, r.max_new_tokens,
                                        cfg.seed, r.num_samples_per_prompt)
         self.engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads, device,
-                                     **memory_args(embedded_server_args(r.engine)))
+                                     **engine_args(embedded_server_args(r.engine, r.precision)))
         self.manager = RolloutManager(EngineAsGroup(self.engine), r, r.reward)
         self.step, self.times = 0, []
 

@@ -163,12 +163,12 @@ class HeldOut:
 
     def __init__(self, cfg, model_dir: str, eval_path: str, device: str):
         from miles_core.engines.embedded.engine import EmbeddedEngine
-        from miles_core.engines.embedded.service import memory_args
+        from miles_core.engines.embedded.service import engine_args
         from miles_core.rollout.engine_group import embedded_server_args
 
         self.cfg, self.eval_path = cfg, eval_path
         self.engine = EmbeddedEngine(model_dir, cfg.model.dtype, cfg.training.num_threads, device,
-                                     **memory_args(embedded_server_args(cfg.rollout.engine)))
+                                     **engine_args(embedded_server_args(cfg.rollout.engine, cfg.rollout.precision)))
 
     def __call__(self, model=None, version: int = 0) -> tuple[float, float, int]:
         """(pass@1, seconds, prompts) of `model`'s weights (None: the engine's own)."""

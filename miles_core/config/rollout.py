@@ -230,7 +230,9 @@ class RolloutConfig(Section):
     block, embeddings, norms and lm_head in bf16: about half the engine's weight memory and
     faster decoding on Hopper GPUs). FP8 samples come from a slightly different policy than the
     trainer's, so fp8 needs algorithm.correction (tis/icepop/mis) or old_logprob_source=rollout,
-    and SGLang engines must run with server_args.quantization=fp8. Embedded engines: bf16 only."""
+    and SGLang engines must run with server_args.quantization=fp8. Embedded engines quantize the
+    weights they are sent (object_store or shared_memory transport; dequantized matmuls: FP8's
+    numerics, not yet its speed)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer scales logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)

@@ -36,8 +36,9 @@ def _noop(*_: Any) -> None:
 def _engine_model_dir(cfg: RunConfig, model_dir: str, run_dir: Path) -> str:
     """The directory the rollout engines start from: model_dir, or with rollout.precision=fp8 a
     block-FP8 copy of it in the run directory (SGLang builds FP8 parameters only for a checkpoint
-    that declares them; see miles_core.weight_sync.fp8_checkpoint)."""
-    if cfg.rollout.precision != "fp8":
+    that declares them; see miles_core.weight_sync.fp8_checkpoint). The embedded engine quantizes
+    its own copy at start (--quantization fp8), any shape."""
+    if cfg.rollout.precision != "fp8" or cfg.rollout.engine.kind != "sglang":
         return model_dir
     import json
 

@@ -23,6 +23,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from miles_core.engines.embedded.fp8_linear import Fp8Weights, swap_to_fp8_linears
 from miles_core.engines.embedded.slot_decoder import (
     Finished,
     Sampling,
@@ -70,11 +71,16 @@ class EmbeddedEngine:
 
     def __init__(self, model_dir: str, dtype: str = "float32", num_threads: int | None = None,
                  device: str | None = None, max_batch_size: int = 1024, slot_decoding: bool | None = None,
-                 mem_fraction_static: float | None = None):
+                 mem_fraction_static: float | None = None, quantization: str | None = None):
         """max_batch_size: sequences decoded at once. slot_decoding (default: on CUDA): continuous
         batching over a preallocated KV cache with compiled steps (see slot_decoder); off, each
         chunk of max_batch_size prompts runs through transformers' generate. mem_fraction_static:
-        SGLang's flag, bounding the slots' KV cache (slot_decoder.kv_budget_bytes)."""
+        SGLang's flag, bounding the slots' KV cache (slot_decoder.kv_budget_bytes). quantization:
+        SGLang's flag; "fp8" holds the decoder projections in block FP8 (fp8_linear), quantizing
+        every weight it is sent, as SGLang's fp8 loader does."""
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization {quantization!r}: the embedded engine serves block FP8 ('fp8') or the "
+                             "model's dtype (no --quantization)")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size (SGLang's --max-running-requests) must be at least 1, got {max_batch_size}")
         if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
@@ -89,6 +95,8 @@ class EmbeddedEngine:
         for param in self._parameters():  # on CPU, tensors mapped from the checkpoint file: copied to
             if not param.untyped_storage().resizable():  # memory of their own, which release_memory can free
                 param.data = param.data.clone()
+        self.fp8 = Fp8Weights(self.model) if quantization and swap_to_fp8_linears(self.model) else None
+        """Where FP8 weights load (None: the model's dtype throughout)."""
         self.weight_version = "default"  # SGLang's before any update
         # LoRA syncs merge into the weights; this keeps the unmerged copy they merge from.
         self.adapters = AdapterMerger()
@@ -98,9 +106,11 @@ class EmbeddedEngine:
         # (prompts not started come back empty); how the HTTP service's /abort_request gets in.
         self.interrupted: Callable[[], bool] | None = None
         use_slots = self.device.type == "cuda" and supports(self.model.config) if slot_decoding is None else slot_decoding
+        use_slots = use_slots and self.fp8 is None  # FP8 layers under its compiled steps: not yet run on a GPU
         if self.device.type == "cuda" and not use_slots:  # several times slower decode: never silent
             log.warning("embedded engine on %s decodes with transformers' generate, not slot decoding (%s)",
                         self.device, "slot_decoding=False" if slot_decoding is False else
+                        "FP8 weights: slot decoding with FP8 layers is not yet checked on a GPU" if self.fp8 else
                         "slot decoding does not support this model's attention (sliding windows, mixed layers "
                         "or split head sizes)")
         self.decode_path = "slots" if use_slots else "generate"
@@ -115,6 +125,8 @@ class EmbeddedEngine:
     def update_weights_from_tensors(self, named_tensors: dict[str, torch.Tensor], weight_version: str) -> dict:
         """HF-named weights in either MoE expert layout (see miles_core.weight_sync.layout), or an
         adapter payload (miles_core.weight_sync.lora), merged into the unmerged base copy."""
+        if is_adapter_payload(named_tensors) and self.fp8 is not None:
+            return {"success": False, "message": "LoRA adapter payloads cannot merge into FP8 weights"}
         if is_adapter_payload(named_tensors):
             try:
                 merged = self.adapters.merged(self.model.state_dict(), named_tensors)
@@ -130,13 +142,34 @@ class EmbeddedEngine:
         self.adapters.forget()
         if any(name.endswith("mlp.experts.gate_up_proj") for name, _ in self.model.named_parameters()):
             named_tensors = fused_layout(named_tensors)
+        received = payload_bytes(named_tensors)
+        named_tensors, loaded = self._load_fp8(named_tensors)
         missing, unexpected = self.model.load_state_dict(named_tensors, strict=False)
-        missing = [k for k in missing if k != "lm_head.weight" or not self.model.config.tie_word_embeddings]
+        missing = [k for k in missing if (k != "lm_head.weight" or not self.model.config.tie_word_embeddings)
+                   and k not in loaded]
         if missing or unexpected:
             return {"success": False, "message": f"missing={missing[:5]} unexpected={unexpected[:5]}"}
         self.weight_version = str(weight_version)
-        return {"success": True, "message": f"weights at version {weight_version}",
-                "received_bytes": payload_bytes(named_tensors)}
+        return {"success": True, "message": f"weights at version {weight_version}", "received_bytes": received}
+
+    def _load_fp8(self, named_tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], set[str]]:
+        """Loads the tensors bound for FP8 layers (quantizing them); returns the others, and the
+        state names now loaded (an FP8 layer's scales come with its quantized weight)."""
+        if self.fp8 is None:
+            return named_tensors, set()
+        live = self.model.state_dict()
+        fp8 = [n for n in named_tensors if n in live and self.fp8.layer_of(live[n]) is not None]
+        self.fp8.copy([live[n] for n in fp8], [named_tensors[n] for n in fp8])
+        loaded = {m for n in fp8 for m in (n, n.removesuffix(".weight") + ".weight_scale_inv")}
+        return {n: t for n, t in named_tensors.items() if n not in fp8}, loaded
+
+    def copy_weights(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        """Copies resolved sources into live tensors (the HTTP service's loads), quantizing those
+        bound for FP8 layers."""
+        if self.fp8 is not None:
+            self.fp8.copy(targets, sources)
+        else:
+            torch._foreach_copy_(targets, sources)
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """SGLang's /release_memory_occupation: tags among "weights", "kv_cache" (None: all;
@@ -147,7 +180,7 @@ class EmbeddedEngine:
         if "kv_cache" in tags and self.slots is not None:
             self.slots.cache = None  # the next call allocates it again, within its KV budget
         if "weights" in tags and not self.released_weights:
-            for param in self._parameters():
+            for param in self._parameters() + (self.fp8.tensors() if self.fp8 else []):
                 storage = param.untyped_storage()
                 self.released_weights.append((storage, storage.nbytes()))
                 storage.resize_(0)  # the Parameter objects stay: loaders and caches keep their references

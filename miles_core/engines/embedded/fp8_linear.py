@@ -1,6 +1,7 @@
 """A linear layer holding its weight in block FP8 (miles_core.weight_sync.quantization's layout), for an
-engine that generates with rollout.precision=fp8 itself (the embedded engine; not wired in yet:
-config validation still refuses fp8 with it).
+engine that generates with rollout.precision=fp8 itself: the embedded engine started with
+SGLang's `--quantization fp8` swaps its decoder projections for these and quantizes every weight
+it is sent (Fp8Weights.copy).
 
 The forward dequantizes the weight and runs the matmul in the activations' dtype: the numerics
 of an FP8-weight engine minus activation quantization, on any device. It is the reference a
@@ -12,7 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from miles_core.weight_sync.quantization import BLOCK, emulated_fp8_linear, is_quantized_weight, quantize_block_fp8
+from miles_core.weight_sync.quantization import (
+    BLOCK,
+    FP8_DTYPE,
+    emulated_fp8_linear,
+    is_quantized_weight,
+    quantize_block_fp8,
+)
 
 
 class Fp8BlockLinear(torch.nn.Module):
@@ -54,3 +61,37 @@ def swap_to_fp8_linears(model: torch.nn.Module, block: tuple[int, int] = BLOCK) 
             setattr(parent, child, Fp8BlockLinear.from_linear(module, block))
             swapped.append(name)
     return swapped
+
+
+class Fp8Weights:
+    """Where a model's weights load once its projections are Fp8BlockLinears: a copy into an FP8
+    weight quantizes the source block-wise (and sets that layer's scales), unless the source is
+    already FP8 (a block-FP8 payload that brings its `weight_scale_inv` too). Every other tensor
+    is copied as is. A plain cast into float8 would lose the scales: never done."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = [m for m in model.modules() if isinstance(m, Fp8BlockLinear)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The FP8 layers' weight and scale buffers (what releasing the weights must free too)."""
+        return [t for m in self.modules for t in (m.weight, m.weight_scale_inv)]
+
+    def layer_of(self, tensor: torch.Tensor) -> Fp8BlockLinear | None:
+        """The FP8 layer whose weight `tensor` is (or views: state_dict() detaches), else None."""
+        if tensor.dtype != FP8_DTYPE:
+            return None
+        pointer = tensor.untyped_storage().data_ptr()
+        return next((m for m in self.modules if m.weight.untyped_storage().data_ptr() == pointer), None)
+
+    @torch.no_grad()
+    def copy(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        plain_targets, plain_sources = [], []
+        for target, source in zip(targets, sources):
+            module = self.layer_of(target) if source.dtype != target.dtype else None
+            if module is None:
+                plain_targets.append(target)
+                plain_sources.append(source)
+            else:
+                module.load_quantized(*quantize_block_fp8(source.to(target.device), module.block))
+        if plain_targets:
+            torch._foreach_copy_(plain_targets, plain_sources)

@@ -111,7 +111,7 @@ class EngineService:
     def load(self) -> None:
         try:
             engine = EmbeddedEngine(self.model_path, dtype=self.dtype, num_threads=self.num_threads,
-                                    **memory_args(self.server_args))
+                                    **engine_args(self.server_args))
             if self.initial_version is not None:  # else SGLang's start, "default" (EmbeddedEngine's too)
                 engine.weight_version = str(self.initial_version)
             engine.interrupted = self._running_request_aborted
@@ -335,7 +335,7 @@ class EngineService:
         if not adapters:
             self.engine.adapters.forget()
         try:
-            torch._foreach_copy_(targets, sources)
+            self.engine.copy_weights(targets, sources)
         except BaseException as exc:
             self.write_failed(weight_version, exc)
             raise
@@ -464,10 +464,12 @@ class EngineService:
             return self.engine.weights_sha256()
 
 
-def memory_args(server_args: dict) -> dict:
-    """SGLang's flags that bound the engine's memory, as EmbeddedEngine takes them:
-    --max-running-requests (sequences decoded at once) and --mem-fraction-static."""
+def engine_args(server_args: dict) -> dict:
+    """SGLang's flags EmbeddedEngine honours, as it takes them: --max-running-requests (sequences
+    decoded at once), --mem-fraction-static and --quantization."""
     args = {}
+    if server_args.get("quantization") is not None:
+        args["quantization"] = str(server_args["quantization"])
     if server_args.get("max_running_requests") is not None:
         args["max_batch_size"] = int(server_args["max_running_requests"])
     if server_args.get("mem_fraction_static") is not None:
