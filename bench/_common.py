@@ -46,7 +46,7 @@ def setup_env() -> None:
 
 
 def stub_ray_if_missing() -> bool:
-    """miles_core.weights imports ray at module level; the in-process paths never call it.
+    """miles_core.weight_sync.transports imports ray at module level; the in-process paths never call it.
     Returns True when a stub was installed (no Ray on this machine)."""
     try:
         import ray  # noqa: F401

@@ -23,12 +23,12 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from miles_core import artifacts
 from miles_core.config import build_config
 from miles_core.data import read_prompts
-from miles_core.driver import TrainSpec, run_training
-from miles_core.evaluation import evaluate_greedy
-from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.driver.session import TrainSpec, run_training
+from miles_core.engines.embedded.engine import EmbeddedEngine
+from miles_core.evaluation.core import evaluate_greedy
+from miles_core.storage import artifacts
 
 REPO = Path(__file__).resolve().parents[1]
 

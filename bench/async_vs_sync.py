@@ -53,7 +53,7 @@ def run_config(args, steps: int, overrides: list[str]):
 
 
 def run_once(args, name: str, steps: int, overrides: list[str], model_dir: Path, train: Path, work: Path):
-    from miles_core.driver import TrainSpec, run_training
+    from miles_core.driver.session import TrainSpec, run_training
 
     cfg = run_config(args, steps, overrides)
     spec = TrainSpec(config=cfg, model_dir=str(model_dir), train_path=str(train),
@@ -126,7 +126,7 @@ def plain_copy_baseline(model_dir: Path, reps: int, threads: int) -> dict:
 def in_process_push(model_dir: Path, reps: int, threads: int) -> dict:
     """The two halves of an object-store push without Ray: the trainer gathering its FSDP2
     shards into a full HF state dict, and the engine copying it into its model."""
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
     from miles_core.training.fsdp import FSDPTrainer
 
     cfg = run_config(argparse.Namespace(threads=threads), 1, [])

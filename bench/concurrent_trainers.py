@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = """
 import json, random, sys, time
 from miles_core.config import AlgorithmConfig, TinyModelConfig, TrainingConfig
-from miles_core.data import Sample
+from miles_core.types import Sample
 from miles_core.tiny import build_tiny_model
 from miles_core.training.fsdp import FSDPTrainer
 

@@ -2,7 +2,7 @@
 
     python bench/cuda_ipc_sync.py [--bucket-megabytes 512] [--syncs 6] [--layers 28] [--http10]
 
-The sender is the trainer's own, miles_core.sglang_ipc.send_weights_over_cuda_ipc: per bucket,
+The sender is the trainer's own, miles_core.weight_sync.cuda_ipc.send_weights_over_cuda_ipc: per bucket,
 one fused cast-copy of the fp32 weights into a bf16 buffer and a POST of its CUDA IPC handle. The
 receiver is a second process serving SGLang's weight-update routes on loopback: it reads each
 payload as SGLang does (tests/sglang_reader.py: its unpickler's allow-list, GPU-UUID devices, the
@@ -88,8 +88,8 @@ def main() -> None:
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from miles_core.rollout.sglang_client import SGLangClient
-    from miles_core.sglang_ipc import send_weights_over_cuda_ipc
+    from miles_core.engines.sglang.client import SGLangClient
+    from miles_core.weight_sync.cuda_ipc import send_weights_over_cuda_ipc
 
     config = Qwen3Config(**{**QWEN3_06B_SHAPE, "num_hidden_layers": args.layers})
     state = {k: v for k, v in AutoModelForCausalLM.from_config(config).cuda().state_dict().items()
@@ -139,8 +139,8 @@ def sender_seconds(state, bucket_bytes: int, repeats: int = 5) -> dict[str, floa
     blocks until the reader lets go), so a cast after one would time a fresh cudaMalloc."""
     import torch
 
-    from miles_core.sglang_ipc import flatten_bucket, serialize_bucket
-    from miles_core.weights import bucket_names
+    from miles_core.weight_sync.cuda_ipc import flatten_bucket, serialize_bucket
+    from miles_core.weight_sync.transports import bucket_names
 
     buckets = [[(name, state[name]) for name in names] for names in bucket_names(state, bucket_bytes, torch.bfloat16)]
     cast, serialize = [], []

@@ -89,8 +89,8 @@ def main() -> None:
     import torch
     from _common import local_config
 
-    from miles_core.loop import run_loop
-    from miles_core.run import TrainingRun
+    from miles_core.driver.loop import run_loop
+    from miles_core.driver.run import TrainingRun
 
     gpu = torch.cuda.is_available()  # without one (a dry run on a CPU machine) the same layout, CPU only
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="driver-gpu-"))

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import gpu_identity, kv_cache_shape
 
-from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.engines.embedded.engine import EmbeddedEngine
 from miles_core.tiny import build_tokenizer
 
 SHAPES = {

@@ -36,7 +36,7 @@ def workloads(args, vocab: int) -> dict[str, dict]:
 
 
 def time_sglang(args, model_dir: Path, prompts: list[list[int]], loads: dict[str, dict]) -> dict:
-    from miles_core.rollout.sglang_client import SGLangLauncher
+    from miles_core.engines.sglang.client import SGLangLauncher
 
     server_args = {"dtype": "bfloat16", "attention_backend": "triton", "sampling_backend": "pytorch",
                    "grammar_backend": "none", "mem_fraction_static": args.mem_fraction_static,
@@ -64,7 +64,7 @@ def time_sglang(args, model_dir: Path, prompts: list[list[int]], loads: dict[str
 def time_embedded(args, model_dir: Path, prompts: list[list[int]], loads: dict[str, dict]) -> dict:
     import torch
 
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(str(model_dir), dtype="bfloat16", max_batch_size=args.batch,
                             mem_fraction_static=args.mem_fraction_static)

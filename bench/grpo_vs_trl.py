@@ -7,7 +7,7 @@ Modes for "ours":
              + FSDPTrainer.train_step + weight copy into the engine, all in this process.
              Its steps are interleaved one-to-one with TRL's (ours runs between TRL steps,
              outside TRL's timed window), so both see the same machine load. Works without Ray.
-  ray        miles_core.driver.run_training on a local Ray (trainer and engine actors, sync
+  ray        miles_core.driver.session.run_training on a local Ray (trainer and engine actors, sync
              loop, object-store weight sync); ours and TRL alternate run by run (--repeats).
 
 TRL: GRPOTrainer(use_vllm=False) with one generation of P*G completions per optimizer step
@@ -113,10 +113,10 @@ class OursInProcess:
         from transformers import AutoTokenizer
 
         from miles_core.data import PromptSource, read_prompts
-        from miles_core.evaluation import EngineAsGroup
-        from miles_core.rollout.engine import EmbeddedEngine
+        from miles_core.engines.embedded.engine import EmbeddedEngine
+        from miles_core.engines.embedded.service import engine_args
+        from miles_core.evaluation.core import EngineAsGroup
         from miles_core.rollout.engine_group import embedded_server_args
-        from miles_core.rollout.engine_service import memory_args
         from miles_core.rollout.manager import RolloutManager
         from miles_core.training.fsdp import FSDPTrainer
 
@@ -127,7 +127,7 @@ class OursInProcess:
             self.trainer = FSDPTrainer(str(model_dir), cfg.training, cfg.algorithm, r.temperature, r.max_new_tokens,
                                        cfg.seed, r.num_samples_per_prompt)
         self.engine = EmbeddedEngine(str(model_dir), cfg.model.dtype, cfg.training.num_threads, device,
-                                     **memory_args(embedded_server_args(r.engine)))
+                                     **engine_args(embedded_server_args(r.engine, r.precision)))
         self.manager = RolloutManager(EngineAsGroup(self.engine), r, r.reward)
         self.step, self.times = 0, []
 
@@ -157,7 +157,7 @@ class OursInProcess:
 def run_ours_ray(args, model_dir: Path, train_path: Path, run_dir: Path) -> list[dict]:
     import ray
 
-    from miles_core.driver import TrainSpec, run_training
+    from miles_core.driver.session import TrainSpec, run_training
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)

@@ -51,10 +51,10 @@ def stages(cfg, work: Path) -> dict:
     """One seed: the flow's stages, timed; returns its curve and figures."""
     import ray
 
-    from miles_core.artifacts import prepare_data, prepare_model, warm_up
-    from miles_core.driver import HELDOUT_PASS_AT_1, TrainSpec, run_training
-    from miles_core.evaluation import HELDOUT, evaluate_on_engines
-    from miles_core.periodic_eval import EVAL_SECONDS
+    from miles_core.driver.session import HELDOUT_PASS_AT_1, TrainSpec, run_training
+    from miles_core.evaluation.core import HELDOUT, evaluate_on_engines
+    from miles_core.metrics import PERIODIC_EVAL_SECONDS
+    from miles_core.storage.artifacts import prepare_data, prepare_model, warm_up
 
     model, data = prepare_model(cfg), prepare_data(cfg)
     started = time.perf_counter()
@@ -81,7 +81,7 @@ def stages(cfg, work: Path) -> dict:
     curve = [{"step": 0, "rl_seconds": 0.0, "train_seconds": 0.0, "pass@1": before}]
     eval_seconds = 0.0
     for row in result.periodic_eval:
-        eval_seconds += row.get(EVAL_SECONDS, 0.0)
+        eval_seconds += row.get(PERIODIC_EVAL_SECONDS, 0.0)
         stamp = stamps.get(int(row["step"]))
         curve.append({"step": int(row["step"]), "rl_seconds": stamp, "pass@1": row[HELDOUT_PASS_AT_1],
                       "train_seconds": None if stamp is None else stamp - eval_seconds})

@@ -16,7 +16,7 @@ the recipe's reward scoring each completion's text. Each --trl-configs entry, a 
 user can pick without vLLM, runs --probe-steps optimizer steps (the first not counted); the one
 of fastest median step then trains until held-out pass@1 reaches ours' start + --target-gain, or
 --max-minutes of wall time pass. Every eval.interval_steps steps its weights go into the same
-embedded engine and greedy evaluator ours' periodic eval uses (miles_core.evaluation.evaluate_all,
+embedded engine and greedy evaluator ours' periodic eval uses (miles_core.evaluation.core.evaluate_all,
 eval.max_new_tokens), on the same held-out file; eval time is taken off TRL's clock as it is off
 ours'. Configs:
 
@@ -162,17 +162,17 @@ class HeldOut:
     the TRL model's weights."""
 
     def __init__(self, cfg, model_dir: str, eval_path: str, device: str):
-        from miles_core.rollout.engine import EmbeddedEngine
+        from miles_core.engines.embedded.engine import EmbeddedEngine
+        from miles_core.engines.embedded.service import engine_args
         from miles_core.rollout.engine_group import embedded_server_args
-        from miles_core.rollout.engine_service import memory_args
 
         self.cfg, self.eval_path = cfg, eval_path
         self.engine = EmbeddedEngine(model_dir, cfg.model.dtype, cfg.training.num_threads, device,
-                                     **memory_args(embedded_server_args(cfg.rollout.engine)))
+                                     **engine_args(embedded_server_args(cfg.rollout.engine, cfg.rollout.precision)))
 
     def __call__(self, model=None, version: int = 0) -> tuple[float, float, int]:
         """(pass@1, seconds, prompts) of `model`'s weights (None: the engine's own)."""
-        from miles_core.evaluation import HELDOUT, evaluate_all
+        from miles_core.evaluation.core import HELDOUT, evaluate_all
 
         started = time.perf_counter()
         if model is not None:

@@ -74,8 +74,8 @@ def recipe(args):
 
 class Ours:
     def __init__(self, args, cfg, model_dir: Path, data):
-        from miles_core.data import Sample
         from miles_core.training.fsdp import FSDPTrainer
+        from miles_core.types import Sample
 
         self.device, r = args.device, cfg.rollout
         with c.trainer_device(args.device):

@@ -39,7 +39,7 @@ TRANSPORTS = ("shared_memory", "object_store", "disk", "broadcast")
 
 def time_transport(transport: str, backend: str, model_dir: Path, train_path: Path, work: Path, gpu: bool,
                    pushes: int) -> dict:
-    from miles_core.run import TrainingRun
+    from miles_core.driver.run import TrainingRun
 
     cfg = local_config(["training.num_steps=1", f"training.backend={backend}", *colocated_overrides(gpu, transport)])
     run = TrainingRun.open(cfg, work / f"run-{backend}-{transport}", str(model_dir), str(train_path))

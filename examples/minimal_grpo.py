@@ -30,8 +30,8 @@ from transformers.utils import logging as hf_logging
 from miles_core import algorithms as algo
 from miles_core.config import AlgorithmConfig, RunConfig, load_config
 from miles_core.data import PromptSource, read_prompts, sft_samples, write_arithmetic_task
-from miles_core.evaluation import HELDOUT, EngineAsGroup, evaluate_all, evaluate_greedy
-from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.engines.embedded.engine import EmbeddedEngine
+from miles_core.evaluation.core import HELDOUT, EngineAsGroup, evaluate_all, evaluate_greedy
 from miles_core.rollout.manager import RolloutManager
 from miles_core.tiny import build_tiny_model
 from miles_core.training.fsdp import FSDPTrainer
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     manager = RolloutManager(EngineAsGroup(engine), r, r.reward)  # seeded sampling, then the reward
     source = PromptSource(prompts, cfg.seed)  # shuffled, endless
     for step in range(1, args.steps + 1):
-        # n samples per prompt, grouped; per-step seeds as miles_core.loop draws them (reproducible).
+        # n samples per prompt, grouped; per-step seeds as miles_core.driver.loop draws them (reproducible).
         samples = manager.generate(source.next_batch(r.num_prompts_per_step), seed=cfg.seed * 100_003 + step * 97)
         rewards = torch.tensor([s.reward for s in samples])
         # GRPO's signal: each reward minus its group's mean (train_step computes the same from

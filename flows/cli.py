@@ -18,7 +18,7 @@ from rich.table import Table
 from infra.stack import RAY_LOOPBACK_ONLY
 from miles_core.config import ConfigError, RunConfig, field_docs, load_config
 from miles_core.config.schema import choose_transport
-from miles_core.placement import describe, strategy
+from miles_core.driver.placement import describe, strategy
 
 if TYPE_CHECKING:
     from miles_core.summary import RunSummary
@@ -37,9 +37,6 @@ def _register_stack() -> None:
 
 
 _register_stack()
-
-STAGES = ["prepare-model", "prepare-data", "ensure-ray", "sft-warmup", "convert-checkpoint",
-          "evaluate (before)", "train", "upload-artifacts", "evaluate (after)", "register-model", "promote (eval gate)"]
 
 
 # Read by huggingface_hub and transformers once, at import: set before the recipe's input checks
@@ -180,6 +177,8 @@ def plan(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/loca
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
+    from miles_core.summary import STAGES
+
     console.print("stages: " + " -> ".join(STAGES))
 
 
@@ -213,7 +212,7 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
 def _refuse_secret_overrides(overrides: list[str]) -> None:
     """Exit 2 on a --set value that looks like a secret: it becomes a flow parameter, which
     Prefect stores (a deployment's schema refuses the same ones)."""
-    from miles_core.redaction import secret_in_override
+    from miles_core.tracking.redaction import secret_in_override
 
     found = [o.split("=", 1)[0] for o in overrides if secret_in_override(o)]
     if found:
@@ -228,8 +227,8 @@ def _check_run_target(cfg: RunConfig, run_dir: Path | None, resume: str | None) 
     """Exit 2 with one message when --resume names no run (a malformed key, or one MLflow does
     not know) or the run directory holds another run's files, before Prefect starts (and
     records a flow run). The flow checks again: deployments do not come here."""
-    from miles_core import tracking
-    from miles_core.checkpoint import check_run_dir
+    from miles_core.storage.checkpoint import check_run_dir
+    from miles_core.tracking import runs as tracking
 
     try:
         if resume is not None:

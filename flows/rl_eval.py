@@ -15,8 +15,10 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from miles_core import artifacts, reports, tracking
 from miles_core.config import Override, RunConfig, load_config
+from miles_core.evaluation import reports
+from miles_core.storage import artifacts
+from miles_core.tracking import runs as tracking
 from tasks.artifacts import prepare_data
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate

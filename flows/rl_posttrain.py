@@ -11,13 +11,17 @@ from prefect import flow, get_run_logger
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import deployment, flow_run
 
-from miles_core import checkpoint as ckpt
-from miles_core import ray_jobs, reports, storage, tracking
-from miles_core.artifacts import ModelArtifact
 from miles_core.config import Override, RunConfig, load_config
-from miles_core.driver import TrainSpec
+from miles_core.driver import ray_jobs
+from miles_core.driver.session import TrainSpec
+from miles_core.evaluation import reports
+from miles_core.metrics import REWARD_MEAN
 from miles_core.preflight import preflight
-from miles_core.summary import SUMMARY_FILE, HeldOutScores, MlflowRef, RunSummary, WarmupRecord
+from miles_core.storage import checkpoint as ckpt
+from miles_core.storage import object_store as storage
+from miles_core.storage.artifacts import ModelArtifact
+from miles_core.summary import STAGES, SUMMARY_FILE, HeldOutScores, MlflowRef, RunSummary, WarmupRecord
+from miles_core.tracking import runs as tracking
 from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, prepare_teacher, sft_warmup
 from tasks.cluster import ensure_ray
 from tasks.evaluate import evaluate
@@ -32,6 +36,8 @@ class StageTimer:
 
     @contextmanager
     def __call__(self, name: str):
+        if name not in STAGES:
+            raise ValueError(f"stage {name!r} is not in miles_core.summary.STAGES: add it there, in the flow's order")
         started = time.perf_counter()
         get_run_logger().info("stage %s ...", name)
         yield
@@ -152,7 +158,7 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Overri
     tracking.log_eval(uri, mlflow_run, "after", after["heldout"], step=result.steps)
     reports.log_eval_metrics(uri, mlflow_run, "after", after, step=result.steps)
     # From MLflow, not result.history: after a resume the driver saw only its own steps.
-    reward_curve = [round(value, 4) for _, value in tracking.metric_history(uri, mlflow_run, "rollout/reward_mean")]
+    reward_curve = [round(value, 4) for _, value in tracking.metric_history(uri, mlflow_run, REWARD_MEAN)]
     periodic = reports.periodic_points_of_run(uri, mlflow_run)
     reports.log_report(uri, mlflow_run, before, after, reward_curve, periodic, final_step=result.steps)
     with timer("register"):

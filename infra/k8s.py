@@ -1,6 +1,6 @@
 """Kubernetes manifests for the same deployment: a Prefect work-pool base job template (the
 flow-run pod) and a KubeRay RayJob (a Ray cluster that runs one training driver session,
-`miles_core.driver`, from a TrainSpec file on a shared volume mounted at /run).
+`miles_core.driver.session`, from a TrainSpec file on a shared volume mounted at /run).
 
     miles k8s render configs/qwen3-4b-grpo-dapo.yaml --image ghcr.io/example/miles:0.1.0 --out-dir infra/k8s
 
@@ -74,7 +74,7 @@ def rayjob(cfg: RunConfig, image: str, namespace: str, run_key: str) -> dict:
         "metadata": {"name": f"miles-{run_key}", "namespace": namespace,
                      "labels": {"app": "miles", "run-key": run_key}},
         "spec": {
-            "entrypoint": ("python -m miles_core.driver --spec /run/spec.json --progress /run/progress.jsonl "
+            "entrypoint": ("python -m miles_core.driver.session --spec /run/spec.json --progress /run/progress.jsonl "
                            "--result /run/result.json"),
             "submissionMode": "K8sJobMode", "shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": 3600,
             "backoffLimit": 0,  # Prefect's task retries own re-submission (with resume)

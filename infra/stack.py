@@ -38,8 +38,8 @@ import requests
 from rich.console import Console
 
 from miles_core.net import free_ports
-from miles_core.redaction import is_secret_name, redact_text
-from miles_core.storage import write_private_text
+from miles_core.storage.object_store import write_private_text
+from miles_core.tracking.redaction import is_secret_name, redact_text
 
 DEFAULT_STATE_DIR = Path(".miles/stack")
 ALL_SERVICES = ("s3", "prefect", "mlflow", "ray", "worker")  # launch order

@@ -21,7 +21,7 @@ Megatron keeps them whole on every data-parallel rank):
 The rollout engines' weights (`engine_weight_bytes`) are counted apart, in the HF layout of one
 engine before tensor parallelism: 2 B per parameter in bf16; with rollout.precision=fp8 each
 decoder layer's linear projections take 1 B per element plus a float32 scale per 128x128 block
-(miles_core/quantization.py), the rest (embeddings, norms, router, lm_head) stays 2 B.
+(miles_core/weight_sync/quantization.py), the rest (embeddings, norms, router, lm_head) stays 2 B.
 
 With training.lora: the base is frozen (weights 4 B per parameter, no gradients, no optimizer
 states) and the adapters train (4 + 4 + 8 B per adapter parameter, r (in + out) per adapted
@@ -264,7 +264,7 @@ def projection_shapes(d: ModelDims) -> list[tuple[int, int]]:
 
 def engine_weight_bytes(d: ModelDims, precision: str) -> int:
     """Bytes of one engine's weights (whole model, before tp) at rollout.precision."""
-    from miles_core.quantization import weight_bytes
+    from miles_core.weight_sync.quantization import weight_bytes
 
     total, _ = parameter_counts(d, Layout())
     if precision == "bf16":

@@ -12,6 +12,7 @@ import torch
 
 from miles_core import algorithms as algo
 from miles_core.config import AlgorithmConfig
+from miles_core.metrics import TRAIN_LOSS
 
 Batch = dict[str, torch.Tensor]
 
@@ -136,5 +137,5 @@ def policy_loss(cfg: AlgorithmConfig, logp: torch.Tensor, entropy: torch.Tensor 
         kl = agg(algo.kl_estimate(logp, mb["ref_logp"], cfg.kl_estimator))
         loss = loss + cfg.kl_loss_coef * kl
         parts["train/kl_loss"] = float(kl.detach())
-    parts["train/loss"] = float(loss.detach())
+    parts[TRAIN_LOSS] = float(loss.detach())
     return loss, parts

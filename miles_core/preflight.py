@@ -15,9 +15,9 @@ from pathlib import Path
 
 from miles_core.config import ConfigError, RunConfig
 from miles_core.data import jsonl_lines, row_problem
-from miles_core.models import local_source_dir
 from miles_core.plugins import load_optional
 from miles_core.rewards import get_reward
+from miles_core.storage.models import local_source_dir
 
 REMOTE_TIMEOUT_SECONDS = 15.0
 
@@ -76,7 +76,7 @@ def _hub_problems(source: str) -> Iterator[str]:
 
 
 def _remote_dir_problems(field: str, uri: str) -> Iterator[str]:
-    from miles_core.storage import filesystem, s3_bucket_problem
+    from miles_core.storage.object_store import filesystem, s3_bucket_problem
 
     try:
         fs, root = filesystem(uri, REMOTE_TIMEOUT_SECONDS)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_core.artifacts import Dataset, StageResult
-from miles_core.redaction import redact
+from miles_core.storage.artifacts import Dataset, StageResult
+from miles_core.tracking.redaction import redact
 
 SUMMARY_FILE = "summary.json"
+STAGES = ("prepare_model", "prepare_data", "ensure_ray", "sft_warmup", "prepare_teacher", "convert", "eval_before",
+          "train", "upload", "eval_after", "register", "promote")
+"""The flow's stages in order: the keys of RunSummary.timings, and what `miles plan` lists."""
 
 
 class HeldOutScores(StageResult):

@@ -12,8 +12,9 @@ from pathlib import Path
 import ray
 
 from miles_core.config import AlgorithmConfig, RunConfig
-from miles_core.data import Prompt, sft_samples
+from miles_core.data import sft_samples
 from miles_core.training.fsdp import FSDPTrainer
+from miles_core.types import Prompt
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[int, float, float | None], None]
@@ -56,7 +57,7 @@ class _Probe:
     engine in this process (the warm-up is a small-model stage)."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, prompts: list[Prompt]):
-        from miles_core.rollout.engine import EmbeddedEngine
+        from miles_core.engines.embedded.engine import EmbeddedEngine
         from miles_core.rollout.engine_group import embedded_server_args
 
         self.cfg, self.prompts = cfg, prompts
@@ -67,7 +68,7 @@ class _Probe:
                                      mem_fraction_static=memory)
 
     def score(self, trainer, step: int) -> float:
-        from miles_core.evaluation import evaluate_greedy
+        from miles_core.evaluation.core import evaluate_greedy
 
         weights = ray.get(trainer.hf_state_dict.remote(to_cpu=True))
         self.engine.update_weights_from_tensors(weights, f"warmup-{step}")

@@ -1,4 +1,4 @@
-"""Cached tasks for the deterministic artifacts (miles_core.artifacts): model, data, warm-up,
+"""Cached tasks for the deterministic artifacts (miles_core.storage.artifacts): model, data, warm-up,
 conversion.
 
 Each is keyed by the identity of what it produces and by where it is written (the absolute
@@ -16,9 +16,10 @@ from pathlib import Path
 from prefect import task
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
-from miles_core import artifacts, storage
-from miles_core.artifacts import ConvertedModel, Dataset, ModelArtifact, WarmupArtifact
 from miles_core.config import RunConfig
+from miles_core.storage import artifacts
+from miles_core.storage import object_store as storage
+from miles_core.storage.artifacts import ConvertedModel, Dataset, ModelArtifact, WarmupArtifact
 from tasks.retry import retry_if_retryable
 
 RESULTS_PREFIX = "prefect-results"

@@ -7,7 +7,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from miles_core.config import RunConfig
-from miles_core.evaluation import EvalResults, evaluate_on_engines
+from miles_core.evaluation.core import EvalResults, evaluate_on_engines
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)

@@ -20,8 +20,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.transactions import Transaction, get_transaction, transaction
 
-from miles_core import registry
-from miles_core.registry import GateDecision, record_decision
+from miles_core.tracking import registry
+from miles_core.tracking.registry import GateDecision, record_decision
 
 
 class PromotionRolledBack(RuntimeError):

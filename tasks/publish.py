@@ -7,9 +7,10 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from miles_core import tracking, uploads
 from miles_core.config import CheckpointConfig
-from miles_core.uploads import PublishedRun
+from miles_core.storage import uploads
+from miles_core.storage.uploads import PublishedRun
+from miles_core.tracking import runs as tracking
 from tasks.retry import retry_if_retryable
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from miles_core import ray_jobs
 from miles_core.config import PlacementConfig
-from miles_core.driver import TrainResult, TrainSpec, run_training
+from miles_core.driver import ray_jobs
+from miles_core.driver.session import TrainResult, TrainSpec, run_training
 from tasks.retry import retry_if_retryable
 
 

@@ -71,8 +71,8 @@ def warm_tiny(shared_work_dir) -> dict:
     import ray
     import yaml
 
-    from miles_core import artifacts
     from miles_core.config import build_config
+    from miles_core.storage import artifacts
 
     cfg = build_config(yaml.safe_load((REPO / "configs/local.yaml").read_text()),
                        [f"storage.work_dir={shared_work_dir}"])

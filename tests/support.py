@@ -6,7 +6,7 @@ import random
 import shutil
 from pathlib import Path
 
-from miles_core.data import Sample
+from miles_core.types import Sample
 
 
 def with_tokenizer(model, source: Path, out: Path) -> Path:

@@ -1623,7 +1623,7 @@ def cross_version(snaps: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-# The launcher's option table (miles_core.rollout.sglang_client reads it): per version, every
+# The launcher's option table (miles_core.engines.sglang.client reads it): per version, every
 # option string of `sglang serve` with just what the launcher and the embedded server's
 # parser need, and the sampling_params keys /generate accepts. Derived from the snapshot, so
 # it can be rebuilt without the wheels.

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from miles_core.config.base import ConfigError
 from miles_core.config.schema import RunConfig
-from miles_core.redaction import SECRET_OVERRIDE_PATTERNS
+from miles_core.tracking.redaction import SECRET_OVERRIDE_PATTERNS
 
 
 class RecipeLoader(yaml.SafeLoader):

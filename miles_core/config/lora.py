@@ -55,10 +55,10 @@ class LoRAConfig(Section):
 
 def check_lora_engines(cfg) -> None:
     """training.lora with rollout.engine=sglang: the engines are launched to serve adapters
-    (miles_core.rollout.sglang_args.lora_server_args fills in or checks enable_lora, max_lora_rank
+    (miles_core.engines.sglang.args.lora_server_args fills in or checks enable_lora, max_lora_rank
     and lora_target_modules) and each sync loads the adapter alone from a folder on the disk the
     trainer and engines share (/load_lora_adapter), so the transport must be disk."""
-    from miles_core.rollout.sglang_args import lora_server_args
+    from miles_core.engines.sglang.args import lora_server_args
 
     r, t = cfg.rollout, cfg.training
     if not t.lora_enabled or r.engine.kind != "sglang":

@@ -36,8 +36,7 @@ def _engine_agrees(cfg: RunConfig) -> None:
     r = cfg.rollout
     if r.engine.kind == "embedded":
         if r.precision == "fp8":
-            raise ValueError("rollout.precision=fp8 is not implemented for the embedded engine (it serves bf16): "
-                             "use rollout.engine=sglang with server_args.quantization=fp8, or rollout.precision=bf16")
+            _embedded_fp8_fits(cfg)
         return
     quantization = r.engine.server_args.get("quantization")
     if r.precision == "fp8" and quantization != "fp8":
@@ -50,6 +49,24 @@ def _engine_agrees(cfg: RunConfig) -> None:
         raise ValueError(f"rollout.engine.server_args.quantization={quantization} makes the engine generate in FP8 "
                          "while rollout.precision=bf16 says its samples are on-policy: set rollout.precision=fp8 "
                          "(with an algorithm.correction) or remove the quantization server arg")
+
+
+def _embedded_fp8_fits(cfg: RunConfig) -> None:
+    """The embedded engine quantizes what it is sent (engines/embedded/fp8_linear.Fp8Weights): full
+    weights through the object store or the shared buffer. Not built or checked: a block-FP8
+    broadcast into it, LoRA adapters merged into FP8 weights, and a checksum of FP8 weights
+    against the trainer's."""
+    r = cfg.rollout
+    if r.weight_transport.kind not in ("object_store", "shared_memory"):
+        raise ValueError(f"rollout.precision=fp8 with the embedded engine quantizes the weights it is sent through "
+                         f"the object store or the shared buffer, not {r.weight_transport.kind}: set "
+                         "rollout.weight_transport=object_store (or shared_memory where trainer and engine share a GPU)")
+    if r.verify_weight_sync:
+        raise ValueError("rollout.verify_weight_sync compares the engine's weights with the trainer's, which FP8 "
+                         "quantization changes by design: set rollout.verify_weight_sync=false")
+    if cfg.training.lora_enabled:
+        raise ValueError("rollout.precision=fp8 with the embedded engine cannot merge LoRA adapters into FP8 weights: "
+                         "set rollout.precision=bf16 or drop training.lora")
 
 
 def _fp8_training_fits(cfg: RunConfig) -> None:
@@ -69,7 +86,7 @@ def _fp8_training_fits(cfg: RunConfig) -> None:
 
 
 def _fp8_weights_can_travel(cfg: RunConfig) -> None:
-    """Only the broadcast quantizes (miles_core.weights.broadcast_to_engines): a disk sync writes a
+    """Only the broadcast quantizes (miles_core.weight_sync.transports.broadcast_to_engines): a disk sync writes a
     bf16 checkpoint and the CUDA IPC buckets hold one dtype, which block-FP8 engines cannot load."""
     transport = cfg.rollout.weight_transport.kind
     if transport != "broadcast":

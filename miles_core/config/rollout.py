@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator
 
 from miles_core.config.base import Section
-from miles_core.rollout.sglang_args import check_server_args
+from miles_core.engines.sglang.args import check_server_args
 
 
 def _kind_alone(value: Any) -> Any:
@@ -37,7 +37,7 @@ class EmbeddedEngine(Section):
     KV cache takes 40% of the memory free when it is allocated."""
     max_running_requests: int | None = Field(None, ge=1)
     """Sequences decoded at once, as SGLang's --max-running-requests. None: 1024."""
-    # The server's client bounds (miles_core.rollout.http_limits.ServerLimits, whose defaults
+    # The server's client bounds (miles_core.engines.embedded.http_limits.ServerLimits, whose defaults
     # these repeat: that module imports the web stack, which a config must not need).
     max_request_bytes: int = Field(64 << 20, gt=0)
     """Largest request body the engine's server reads, in bytes; a larger one is answered 413.
@@ -56,14 +56,14 @@ class SGLangEngine(Section):
     kind: Literal["sglang"] = "sglang"
     server_args: dict[str, Any] = {}
     """SGLang server args (e.g. {mem_fraction_static: 0.8}); one outside the table checked against
-    SGLang's source (miles_core.rollout.sglang_args) is an error. tp_size defaults to
+    SGLang's source (miles_core.engines.sglang.args) is an error. tp_size defaults to
     rollout.gpus_per_engine. Rollout seeds reach SGLang's sampler only with
     enable_deterministic_inference: true (otherwise samples are not reproducible). With
     training.lora, enable_lora, max_lora_rank (the adapter's rank) and lora_target_modules (its
     modules) are filled in; values set here must admit the adapter, or the config is refused."""
     server_module: str = "sglang.launch_server"
     """The module run as `python -m <module>`: SGLang's server. CI runs the launcher path with
-    miles_core.rollout.http_server, the embedded engine behind the same flags."""
+    miles_core.engines.embedded.http_server, the embedded engine behind the same flags."""
     python: str | None = None
     """The interpreter that runs the server: a separate environment's python (or a wrapper
     script that sets one up) for sites that keep SGLang's pinned packages apart from this
@@ -234,7 +234,9 @@ class RolloutConfig(Section):
     block, embeddings, norms and lm_head in bf16: about half the engine's weight memory and
     faster decoding on Hopper GPUs). FP8 samples come from a slightly different policy than the
     trainer's, so fp8 needs algorithm.correction (tis/icepop/mis) or old_logprob_source=rollout,
-    and SGLang engines must run with server_args.quantization=fp8. Embedded engines: bf16 only."""
+    and SGLang engines must run with server_args.quantization=fp8. Embedded engines quantize the
+    weights they are sent (object_store or shared_memory transport; dequantized matmuls: FP8's
+    numerics, not yet its speed)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trainer scales logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from miles_core.rollout.router import generate_in_shards
 
 if TYPE_CHECKING:
-    from miles_core.data import Prompt
+    from miles_core.types import Prompt
 
 SAMPLE_ONLY = ("sampling_seed",)  # per-sample keys; the rest of the params must agree to share a request
 

@@ -19,12 +19,12 @@ import ray
 
 from miles_core.config import RunConfig
 from miles_core.config.rollout import EngineConfig
-from miles_core.rollout.interface import RolloutEngine
+from miles_core.engines.interface import RolloutEngine
+from miles_core.engines.sglang.client import EngineError, SGLangClient, SGLangLauncher
 from miles_core.rollout.router import Router
-from miles_core.rollout.sglang_client import EngineError, SGLangClient, SGLangLauncher
 
 if TYPE_CHECKING:
-    from miles_core.rollout.http_limits import ServerLimits
+    from miles_core.engines.embedded.http_limits import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,11 @@ def engine_tp_size(engine: EngineConfig, gpus_per_engine: float) -> int:
 
 
 def launch_engine(engine: EngineConfig, model_dir: str, host: str, dtype: str, num_threads: int,
-                  gpus_per_engine: float, api_key: str) -> RolloutEngine:
+                  gpus_per_engine: float, api_key: str, precision: str = "bf16") -> RolloutEngine:
     """Start the configured engine (`rollout.engine`) on `host` (a free port) and return once it
     serves: the embedded engine in this process, or SGLang as a child process (GPU clusters).
-    Every route but the health probes needs api_key."""
+    Every route but the health probes needs api_key. precision (rollout.precision): an embedded
+    engine gets SGLang's --quantization fp8 for "fp8"; SGLang has it in its server_args already."""
     if engine.kind == "sglang":
         server_args = {"dtype": dtype, "weight_version": INITIAL_WEIGHT_VERSION,
                        **engine.server_args, "tp_size": engine_tp_size(engine, gpus_per_engine)}
@@ -53,22 +54,25 @@ def launch_engine(engine: EngineConfig, model_dir: str, host: str, dtype: str, n
                                   python=engine.python or sys.executable)
         launcher.start()
         return launcher
-    from miles_core.rollout.http_server import serve  # torch and transformers: engine processes only
+    from miles_core.engines.embedded.http_server import serve  # torch and transformers: engine processes only
 
     return serve(model_dir, host=host, port=0, dtype=dtype, num_threads=num_threads,
-                 server_args=embedded_server_args(engine), weight_version=INITIAL_WEIGHT_VERSION, api_key=api_key,
+                 server_args=embedded_server_args(engine, precision), weight_version=INITIAL_WEIGHT_VERSION,
+                 api_key=api_key,
                  limits=embedded_server_limits(engine))
 
 
-def embedded_server_args(engine: EngineConfig) -> dict:
-    """The SGLang flags an embedded engine's config sets (its memory bounds), for its server."""
-    flags = {"mem_fraction_static": engine.mem_fraction_static, "max_running_requests": engine.max_running_requests}
+def embedded_server_args(engine: EngineConfig, precision: str = "bf16") -> dict:
+    """The SGLang flags an embedded engine's config sets (its memory bounds, and --quantization
+    fp8 for rollout.precision=fp8), for its server."""
+    flags = {"mem_fraction_static": engine.mem_fraction_static, "max_running_requests": engine.max_running_requests,
+             "quantization": "fp8" if precision == "fp8" else None}
     return {k: v for k, v in flags.items() if v is not None}
 
 
 def embedded_server_limits(engine: EngineConfig) -> ServerLimits:
     """The client bounds an embedded engine's config sets, as its server's ServerLimits."""
-    from miles_core.rollout.http_limits import ServerLimits  # the web stack: engine processes only
+    from miles_core.engines.embedded.http_limits import ServerLimits  # the web stack: engine processes only
 
     return ServerLimits(max_request_bytes=engine.max_request_bytes,
                         max_prompts_per_request=engine.max_prompts_per_request,
@@ -80,9 +84,9 @@ class EngineActor:
     through this actor for what HTTP does not carry (see interface.py)."""
 
     def __init__(self, model_dir: str, dtype: str, num_threads: int, bind_host: str, engine: EngineConfig,
-                 gpus_per_engine: float, api_key: str):
+                 gpus_per_engine: float, api_key: str, precision: str = "bf16"):
         host = ray.util.get_node_ip_address() if bind_host == "node_ip" else "127.0.0.1"
-        self.engine = launch_engine(engine, model_dir, host, dtype, num_threads, gpus_per_engine, api_key)
+        self.engine = launch_engine(engine, model_dir, host, dtype, num_threads, gpus_per_engine, api_key, precision)
 
     def url(self) -> str:
         return self.engine.url
@@ -132,7 +136,7 @@ class EngineGroup:
         r = self.cfg.rollout
         return self.actor_cls.options(name=None, **self.scheduling(rank)).remote(
             self.model_dir, self.cfg.model.dtype, self.cfg.training.num_threads, r.bind_host, r.engine,
-            r.gpus_per_engine, self.api_key)
+            r.gpus_per_engine, self.api_key, r.precision)
 
     def client(self, url: str) -> SGLangClient:
         """A client of one of this group's engines."""

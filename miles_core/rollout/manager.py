@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 
 from miles_core.config import RolloutConfig
-from miles_core.data import Prompt, Sample, version_number
 from miles_core.plugins import load_optional
 from miles_core.rewards import get_reward
 from miles_core.rollout.context import run_generate_fn
 from miles_core.rollout.partial import append_segment, continuation_input, continuation_params, is_partial
 from miles_core.rollout.remote_reward import RemoteRewardClient
+from miles_core.types import Prompt, Sample, version_number
 
 SEED_STRIDE = 1_000_003  # more samples than one batch will ever hold
 SEED_MODULUS = 2**63  # SGLang refuses a sampling_seed outside int64 (SamplingParams.verify)

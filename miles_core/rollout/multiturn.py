@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_core.data import Prompt, Sample
+from miles_core.types import Prompt, Sample
 
 
 @dataclass

@@ -11,7 +11,7 @@ Why not SGLang's `in_place` pause: it freezes the running batch with its KV cach
 weight update that KV (and the radix cache's prefixes) was computed by the old weights, so the new
 tokens would attend to stale keys and values: neither policy's tokens, and log-probs no trainer
 forward reproduces. SGLang's own check: an update with flush_cache=false keeps such prefixes, which
-is why the embedded engine refuses to generate until /flush_cache (engine_service.stale_cache_version).
+is why the embedded engine refuses to generate until /flush_cache (engines/embedded/service.py, stale_cache_version).
 Re-prefilling costs one prefill of the partial response and keeps every log-prob exact.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from miles_core.data import Sample, is_mixed_version, token_versions, version_number
+from miles_core.types import Sample, is_mixed_version, token_versions, version_number
 
 ABORT = "abort"
 

@@ -16,8 +16,8 @@ from typing import Any
 import requests
 
 from miles_core.config.rollout import RemoteReward
-from miles_core.data import Prompt, Sample
 from miles_core.errors import InfrastructureError
+from miles_core.types import Prompt, Sample
 
 log = logging.getLogger(__name__)
 RETRY_STATUSES = {429, 500, 502, 503, 504}

@@ -14,7 +14,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from miles_core.rollout.sglang_client import EngineError, SGLangClient
+from miles_core.engines.sglang.client import EngineError, SGLangClient
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Router:
         self._health_thread: threading.Thread | None = None
         self.lora_path: str | None = None
         """The LoRA adapter every request names (SGLang's `lora_path`, an adapter's name), set by the
-        adapter sync (miles_core.weights.DiskTransport with adapters_only); None: the base weights."""
+        adapter sync (miles_core.weight_sync.transports.DiskTransport with adapters_only); None: the base weights."""
         if health_check_interval:
             self.start_health_checks(health_check_interval)
 

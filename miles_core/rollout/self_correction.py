@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_core.data import Prompt, Sample
 from miles_core.rewards import exact_match
 from miles_core.rollout.context import RolloutContext
 from miles_core.rollout.multiturn import Trajectory
+from miles_core.types import Prompt, Sample
 
 SECOND_TURN_SEED_OFFSET = 1 << 40  # the retry draws other randomness than the first answer
 

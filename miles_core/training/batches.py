@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_core.data import Sample, token_versions
+from miles_core.types import Sample, token_versions
 
 Batch = dict[str, torch.Tensor]
 

@@ -19,11 +19,12 @@ import torch
 from miles_core import algorithms as algo
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
-from miles_core.data import Sample
+from miles_core.metrics import TRAIN_LOSS
 from miles_core.net import init_custom_process_group, rendezvous_endpoint
-from miles_core.shared_weights import BufferHandle, SharedWeights
 from miles_core.training.batches import Batch, mixed_version_fraction, select_rows
 from miles_core.training.data_parallel import sum_metrics_over_ranks, sum_over_ranks
+from miles_core.types import Sample
+from miles_core.weight_sync.shared import BufferHandle, SharedWeights
 
 
 class Trainer(Protocol):
@@ -206,7 +207,7 @@ class RLTrainerCore:
             self._sync_and_clip(*self._critic_modules())
             self.critic_optimizer.step()
             self.critic_scheduler.step()
-        sums.setdefault("train/loss", sums.get("train/value_loss", 0.0))
+        sums.setdefault(TRAIN_LOSS, sums.get("train/value_loss", 0.0))
         return sums
 
     def _loss(self, mb: Batch, totals: dict[str, float]) -> tuple[torch.Tensor, dict]:
@@ -233,7 +234,7 @@ class RLTrainerCore:
         self.step += 1
         return sum_metrics_over_ranks({"loss": total}, self._dp_group())["loss"]
 
-    # ---- shared-memory weight sync (miles_core.weights.SharedMemoryTransport) -----------------
+    # ---- shared-memory weight sync (miles_core.weight_sync.transports.SharedMemoryTransport) -----------------
     _shared: SharedWeights | None = None
 
     def share_weights(self, dtype: str) -> BufferHandle | None:
@@ -266,7 +267,7 @@ class RLTrainerCore:
         if self._shared is not None:
             self._shared.close()
 
-    # ---- broadcast weight sync (sender side; see miles_core.weights.BroadcastTransport) -------
+    # ---- broadcast weight sync (sender side; see miles_core.weight_sync.transports.BroadcastTransport) -------
     broadcast_group: Any = None
 
     def broadcast_backend(self) -> str:
@@ -286,7 +287,7 @@ class RLTrainerCore:
         """Send the weights (cast to dtype, the engines' own, when given; block-FP8 linears with
         precision=fp8) to the engines; the bytes sent on rank 0, 0 elsewhere. A collective: every
         rank takes part in the gather."""
-        from miles_core.weights import broadcast_to_engines
+        from miles_core.weight_sync.transports import broadcast_to_engines
 
         weights = self.hf_state_dict()
         if _rank() != 0:
@@ -298,8 +299,8 @@ class RLTrainerCore:
     def send_weights_over_cuda_ipc(self, urls: list[str], version: str, bucket_bytes: int, dtype: str,
                                    api_key: str | None = None) -> int:
         """Hand colocated SGLang engines CUDA IPC handles to the weights cast to dtype (see
-        miles_core.sglang_ipc); the bytes per engine on rank 0, 0 elsewhere. A collective."""
-        from miles_core.sglang_ipc import send_weights_over_cuda_ipc
+        miles_core.weight_sync.cuda_ipc); the bytes per engine on rank 0, 0 elsewhere. A collective."""
+        from miles_core.weight_sync.cuda_ipc import send_weights_over_cuda_ipc
 
         weights = self._weights_to_share()
         if _rank() != 0:

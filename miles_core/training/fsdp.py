@@ -20,7 +20,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
 from miles_core.config.schema import FSDPConfig
-from miles_core.data import Sample
 from miles_core.net import free_port
 from miles_core.training import lora, state_io
 from miles_core.training.batches import pad_batch
@@ -28,7 +27,8 @@ from miles_core.training.core import RLTrainerCore
 from miles_core.training.data_parallel import rank_micro_batches
 from miles_core.training.logprobs import next_token_logprobs
 from miles_core.training.offload import HostOffload, module_tensors
-from miles_core.weight_layout import checkpoint_layout, weights_sha256
+from miles_core.types import Sample
+from miles_core.weight_sync.layout import checkpoint_layout, weights_sha256
 
 
 def _resident(method):
@@ -262,7 +262,7 @@ class FSDPTrainer(RLTrainerCore):
         return state if self.lora is None else lora.merged_weights(state, self.lora)
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The adapter sync's payload (miles_core.lora_weights) on the CPU; {} without LoRA. A
+        """The adapter sync's payload (miles_core.weight_sync.lora) on the CPU; {} without LoRA. A
         collective when sharded."""
         return {} if self.lora is None else lora.adapter_payload(self.model, self.lora)
 

@@ -1,5 +1,5 @@
 """LoRA on the FSDP2 backend: peft injects the adapters into the HF model (names stay the HF
-module paths, see miles_core.lora_weights), everything else is frozen, and only the adapters
+module paths, see miles_core.weight_sync.lora), everything else is frozen, and only the adapters
 reach the optimizer. The sharded model keeps peft's names (`P.base_layer.weight`,
 `P.lora_A.default.weight`); weights leave the trainer either merged (HF names, what exports,
 checksums and full-weight transports carry) or as an adapter payload."""
@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from miles_core.config.lora import LoRAConfig
-from miles_core.lora_weights import LORA_A, LORA_B, PEFT_PREFIX, merge_adapters, split_peft_state
+from miles_core.weight_sync.lora import LORA_A, LORA_B, PEFT_PREFIX, merge_adapters, split_peft_state
 
 
 def peft_config(cfg: LoRAConfig):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.engines.sglang.args import SERVER_ARGS, SGLANG_VERSIONS_CHECKED, server_arg_flags
+from miles_core.engines.sglang.client import WEIGHT_UPDATE_DEFAULTS, SGLangClient
 from miles_core.rollout.manager import RolloutManager
-from miles_core.rollout.sglang_args import SERVER_ARGS, SGLANG_VERSIONS_CHECKED, server_arg_flags
-from miles_core.rollout.sglang_client import WEIGHT_UPDATE_DEFAULTS, SGLangClient
 
 SNAPSHOT = json.loads((Path(__file__).parent / "sglang_contract.json").read_text())
 VERSIONS = sorted(SNAPSHOT["versions"])
@@ -179,8 +179,8 @@ def test_sample_seeds_stay_within_int64_for_any_run_seed():
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_embedded_server_serves_sglang_routes(version):
-    from miles_core.rollout.engine_service import EngineService
-    from miles_core.rollout.http_server import create_app
+    from miles_core.engines.embedded.http_server import create_app
+    from miles_core.engines.embedded.service import EngineService
 
     app = create_app(EngineService("unused"))
     sglang_routes = SNAPSHOT["versions"][version]["routes"]["routes"]
@@ -197,7 +197,7 @@ def test_the_embedded_server_serves_sglang_routes(version):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_embedded_server_takes_sglang_pause_modes(version):
     """The stand-in accepts exactly the modes of SGLang's PauseGenerationReqInput."""
-    from miles_core.rollout.http_requests import PAUSE_MODES
+    from miles_core.engines.embedded.http_requests import PAUSE_MODES
 
     [mode] = [f for f in SNAPSHOT["versions"][version]["io_structs"]["classes"]["PauseGenerationReqInput"]["fields"]
               if f["name"] == "mode"]

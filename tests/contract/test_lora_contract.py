@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.rollout.http_requests import GenerateReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput
-from miles_core.rollout.sglang_args import LIST_ARGS, SERVER_ARGS, SGLANG_ALL_MODULES, lora_server_args
+from miles_core.engines.embedded.http_requests import GenerateReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput
+from miles_core.engines.sglang.args import LIST_ARGS, SERVER_ARGS, SGLANG_ALL_MODULES, lora_server_args
 
 SNAPSHOT = json.loads((Path(__file__).parent / "sglang_contract.json").read_text())
 VERSIONS = sorted(SNAPSHOT["versions"])

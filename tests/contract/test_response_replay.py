@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from miles_core.config import RolloutConfig
-from miles_core.data import Prompt
 from miles_core.rollout.manager import RolloutManager
+from miles_core.types import Prompt
 
 SNAPSHOT = json.loads((Path(__file__).parent / "sglang_contract.json").read_text())
 NUM_LAYERS, TOP_K = 2, 2

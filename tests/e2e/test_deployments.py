@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from ray.job_submission import JobSubmissionClient
 
 from infra import stack
-from miles_core import ray_jobs
+from miles_core.driver import ray_jobs
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e

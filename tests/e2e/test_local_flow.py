@@ -56,7 +56,7 @@ def test_summary_contract_and_learning(finished_run):
 
 def test_uploaded_export_loads_and_matches_eval(finished_run, tmp_path):
     work, _, summary, _ = finished_run
-    from miles_core.storage import download_dir
+    from miles_core.storage.object_store import download_dir
 
     local = download_dir(summary["hf_export_uri"], tmp_path / "export")
     eval_path = summary["data"]["eval_path"]
@@ -66,8 +66,8 @@ def test_uploaded_export_loads_and_matches_eval(finished_run, tmp_path):
 
 def test_checkpoint_manifest_verifies_in_store(finished_run, tmp_path):
     _, _, summary, _ = finished_run
-    from miles_core.checkpoint import verify_checkpoint
-    from miles_core.storage import download_dir
+    from miles_core.storage.checkpoint import verify_checkpoint
+    from miles_core.storage.object_store import download_dir
 
     local = download_dir(summary["checkpoint_uri"], tmp_path / "ckpt")
     assert verify_checkpoint(local) is None

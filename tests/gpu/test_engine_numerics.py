@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 try:
     import ray  # noqa: F401
-except ImportError:  # miles_core.weights imports ray at module level; nothing here calls it
+except ImportError:  # miles_core.weight_sync.transports imports ray at module level; nothing here calls it
     sys.modules["ray"] = types.ModuleType("ray")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
@@ -89,7 +89,7 @@ class DecodePath:
     def __enter__(self) -> DecodePath:
         from torch._dynamo.utils import counters
 
-        from miles_core.rollout import slot_decoder
+        from miles_core.engines.embedded import slot_decoder
 
         self.counters, self.run_cls = counters, slot_decoder._Run
         self.steps = self.captures = self.replays = 0
@@ -135,8 +135,8 @@ class DecodePath:
 def build_engine(model_dir: Path, device: str, graphs: bool, max_batch_size: int):
     """The engine as an engine service builds it (EmbeddedEngine's defaults: on CUDA, slot
     decoding with compiled steps); graphs=False swaps in eager slot steps (the CPU's path)."""
-    from miles_core.rollout.engine import EmbeddedEngine
-    from miles_core.rollout.slot_decoder import SlotDecoder
+    from miles_core.engines.embedded.engine import EmbeddedEngine
+    from miles_core.engines.embedded.slot_decoder import SlotDecoder
 
     engine = EmbeddedEngine(str(model_dir), dtype="bfloat16", device=device, max_batch_size=max_batch_size,
                             slot_decoding=None if device.startswith("cuda") else True)
@@ -147,7 +147,7 @@ def build_engine(model_dir: Path, device: str, graphs: bool, max_batch_size: int
 
 def rollout(engine, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list:
     """Temperature-1 samples as Samples carrying the engine's per-token log-probs."""
-    from miles_core.data import Sample
+    from miles_core.types import Sample
 
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": max_new_tokens, "ignore_eos": True}
     outs = engine.generate(prompts, params, return_logprob=True, seed=seed)

@@ -50,9 +50,9 @@ class _Engines:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from miles_core.config.rollout import SGLangEngine
+    from miles_core.engines.sglang.client import SGLangClient
     from miles_core.rollout.engine_group import launch_engine
     from miles_core.rollout.router import Router
-    from miles_core.rollout.sglang_client import SGLangClient
     from tests.integration import test_routing_replay as r3
 
     dirs = r3.build_moe_dirs(tmp_path_factory.mktemp("r3-sglang"), hidden_size=256, moe_intermediate_size=128)
@@ -104,19 +104,9 @@ def test_megatron_replays_sglang_experts(served):
     expected, real = r3._expected_maps(samples)
     trainer = r3._trainer(served["dirs"]["moe"])
     try:
-        r3._perturb_routers(trainer)
-        recorder = r3._RoutingMaps(trainer.model)
-        replayed = r3._max_diff(trainer.compute_logprobs(samples), samples)
-        used_with_replay = [m.cpu() for m in recorder.maps]
-        trainer.opts.routing_replay = False
-        recorder.maps.clear()
-        free = r3._max_diff(trainer.compute_logprobs(samples), samples)
-        used_free = [m.cpu() for m in recorder.maps]
-        recorder.close()
+        out = r3.replay_then_free(trainer, samples)
     finally:
         trainer.close()
+    replayed, free = out["replayed"], out["free"]
     say(f"max |Megatron - SGLang| log-prob, perturbed routers: with replay {replayed:.3e}, without {free:.3e}")
-    for layer in range(r3.NUM_LAYERS):
-        assert torch.equal(used_with_replay[layer][real], expected[layer][real]), layer
-    assert any((used_free[layer][real] != expected[layer][real]).any() for layer in range(r3.NUM_LAYERS))
-    assert replayed < free
+    r3.check_replay(out, expected, real)

@@ -39,9 +39,9 @@ def _receive(rank: int, world_size: int, payloads: list[str]) -> dict:
 
 
 def test_another_process_reads_the_buckets_as_sglang_does():
-    from miles_core.sglang_ipc import flatten_bucket, serialize_bucket
     from miles_core.training.megatron.launch import run_spawned
-    from miles_core.weights import bucket_names
+    from miles_core.weight_sync.cuda_ipc import flatten_bucket, serialize_bucket
+    from miles_core.weight_sync.transports import bucket_names
 
     g = torch.Generator(device="cuda").manual_seed(0)
     state = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(3072, 1024, device="cuda", generator=g)

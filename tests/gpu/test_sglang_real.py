@@ -124,7 +124,7 @@ def engine(models, work):
 
 
 def client_of(engine):
-    from miles_core.rollout.sglang_client import SGLangClient
+    from miles_core.engines.sglang.client import SGLangClient
 
     return SGLangClient(engine["launcher"].url, api_key=engine["api_key"], timeout_seconds=300)
 
@@ -165,7 +165,7 @@ def test_router_samples_per_seed_with_logprobs_of_the_served_weights(engine, mod
 
 
 def test_cuda_ipc_update_serves_the_new_weights(engine, models):
-    from miles_core.sglang_ipc import send_weights_over_cuda_ipc
+    from miles_core.weight_sync.cuda_ipc import send_weights_over_cuda_ipc
 
     client = client_of(engine)
     model = hf_model(models["v1"])
@@ -196,7 +196,7 @@ def test_disk_update_serves_the_new_weights(engine, models):
 def test_pause_update_continue_with_requests_in_flight(engine, models):
     """The order SGLang documents around an update: pause, push, version, continue. Requests in
     flight come back (aborted or finished) instead of hanging; later ones see the new weights."""
-    from miles_core.sglang_ipc import send_weights_over_cuda_ipc
+    from miles_core.weight_sync.cuda_ipc import send_weights_over_cuda_ipc
 
     client = client_of(engine)
     results: list = []
@@ -243,7 +243,7 @@ def test_broadcast_cannot_share_one_gpu(engine, models):
     from datetime import timedelta
 
     from miles_core.net import free_port, init_custom_process_group
-    from miles_core.weights import broadcast_to_engines
+    from miles_core.weight_sync.transports import broadcast_to_engines
 
     client = client_of(engine)
     address, port = "127.0.0.1", free_port("127.0.0.1")
@@ -260,7 +260,7 @@ def test_broadcast_cannot_share_one_gpu(engine, models):
 
 
 def test_release_and_resume_memory_around_an_update(engine, models):
-    from miles_core.sglang_ipc import send_weights_over_cuda_ipc
+    from miles_core.weight_sync.cuda_ipc import send_weights_over_cuda_ipc
 
     client = client_of(engine)
     torch.cuda.synchronize()

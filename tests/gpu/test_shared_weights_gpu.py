@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _sums_in_another_process(rank: int, world_size: int, handle) -> list[float]:
-    from miles_core.shared_weights import SharedWeights
+    from miles_core.weight_sync.shared import SharedWeights
 
     mapped = SharedWeights.open(handle)
     assert mapped.flat.is_cuda
@@ -27,8 +27,8 @@ def _sums_in_another_process(rank: int, world_size: int, handle) -> list[float]:
 
 
 def test_another_process_maps_the_device_buffer():
-    from miles_core.shared_weights import SharedWeights
     from miles_core.training.megatron.launch import run_spawned
+    from miles_core.weight_sync.shared import SharedWeights
 
     weights = {f"layer{i}.weight": torch.randn(256, 128, device="cuda") for i in range(4)}
     shared = SharedWeights.create(weights, torch.bfloat16)

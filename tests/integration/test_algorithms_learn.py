@@ -9,9 +9,9 @@ from transformers import AutoTokenizer
 
 from miles_core.config import build_config
 from miles_core.data import read_prompts
-from miles_core.driver import TrainSpec, run_training
-from miles_core.evaluation import evaluate_greedy
-from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.driver.session import TrainSpec, run_training
+from miles_core.engines.embedded.engine import EmbeddedEngine
+from miles_core.evaluation.core import evaluate_greedy
 from tests.conftest import REPO
 
 # A third of the recipe's 200 steps, at half its rollout (32 prompts x 8): measured with

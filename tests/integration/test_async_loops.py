@@ -4,7 +4,7 @@ import pytest
 
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
-from miles_core.driver import TrainSpec, run_training
+from miles_core.driver.session import TrainSpec, run_training
 
 NUM_STEPS = 6
 
@@ -55,3 +55,20 @@ def test_fully_async_with_partial_rollouts_trains_every_step(ray_local, tmp_path
         assert "rollout/partial_tokens_thrown_away" in h
     print("mixed-version share, response length per step:",
           [(h["rollout/mixed_version_sample_frac"], h["rollout/response_len_mean"]) for h in result.history])
+
+
+def test_a_resumed_partial_run_trains_its_checkpoints_unconsumed_batch_first(ray_local, tmp_path, tiny_model_dir):
+    from miles_core.rollout.partial_state import read_pool_state
+
+    partial = ("rollout.loop=fully_async", "rollout.partial.enabled=true", "algorithm.correction.kind=tis",
+               "rollout.max_new_tokens=96")
+    first = run_training(spec(tmp_path, tiny_model_dir, *partial, "training.num_steps=3"))
+    pool = read_pool_state(first.final_checkpoint_dir, group_size=4)  # taken inside the step-3 weight update
+    assert first.steps == 3 and pool.rounds >= 3
+    resumed = run_training(spec(tmp_path, tiny_model_dir, *partial, "training.num_steps=5"))
+    assert resumed.resumed_from_step == 3 and [h["step"] for h in resumed.history] == [4, 5]
+    if pool.batches:  # made before the crash: trained first, as the uninterrupted run would have
+        kept = pool.batches[0].metrics
+        assert resumed.history[0]["rollout/reward_mean"] == kept["rollout/reward_mean"]
+        assert resumed.history[0]["time/rollout_seconds"] == pool.batches[0].seconds
+    print("restored:", len(pool.pending), "cut groups,", len(pool.done), "done groups,", len(pool.batches), "batches")

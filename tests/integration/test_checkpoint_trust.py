@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from miles_core.checkpoint import UnsafeCheckpointError
 from miles_core.config import TinyModelConfig
+from miles_core.storage.checkpoint import UnsafeCheckpointError
 from miles_core.tiny import build_tiny_model
 
 TARGET = "decoder.final_layernorm.weight"

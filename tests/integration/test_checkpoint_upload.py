@@ -1,4 +1,4 @@
-"""Checkpoint uploads (miles_core/uploads.py) against file:// and a real moto S3 server behind a
+"""Checkpoint uploads (miles_core/storage/uploads.py) against file:// and a real moto S3 server behind a
 fault-injecting HTTP proxy: retries, read-back verification, the latest.json pointer, pruning,
 permanent failures, and resuming a run from the store."""
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from miles_core import checkpoint as ckpt
-from miles_core import uploads
 from miles_core.config import CheckpointConfig
 from miles_core.errors import is_retryable
+from miles_core.storage import checkpoint as ckpt
+from miles_core.storage import uploads
 from tests.conftest import REPO, run_env
 
 MiB = 1 << 20

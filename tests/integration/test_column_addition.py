@@ -4,11 +4,11 @@ DAPO's reward), as configs/gpu-single.yaml runs it on a GPU."""
 
 import re
 
-from miles_core import artifacts
 from miles_core.config import load_config
-from miles_core.driver import TrainSpec, run_training
-from miles_core.evaluation import HELDOUT, evaluate_all
-from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.driver.session import TrainSpec, run_training
+from miles_core.engines.embedded.engine import EmbeddedEngine
+from miles_core.evaluation.core import HELDOUT, evaluate_all
+from miles_core.storage import artifacts
 from tests.conftest import REPO
 
 # configs/gpu-single.yaml shrunk to the CPU: the tiny model, 3-digit problems (~47-token answers)

@@ -6,7 +6,7 @@ import time
 import ray
 
 from miles_core.config import EvalDatasetConfig
-from miles_core.evaluation import evaluate_all, evaluate_on_engines
+from miles_core.evaluation.core import evaluate_all, evaluate_on_engines
 
 
 def test_engine_side_eval_scores_like_the_in_process_engine(ray_local, warm_tiny):

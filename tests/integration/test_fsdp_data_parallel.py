@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from miles_core.config import AlgorithmConfig, TrainingConfig, build_config
 from miles_core.data import write_arithmetic_task
-from miles_core.driver import TrainSpec, run_training
-from miles_core.trainer_group import kill_trainer, start_trainer_group
+from miles_core.driver.session import TrainSpec, run_training
+from miles_core.driver.trainer_group import kill_trainer, start_trainer_group
 from miles_core.training.fsdp import FSDPTrainer
 from tests.support import max_abs_diff, random_samples
 

@@ -21,13 +21,13 @@ import torch
 from safetensors.torch import load_file
 
 from miles_core.config import TinyModelConfig
+from miles_core.engines.embedded.http_limits import ServerLimits
+from miles_core.engines.embedded.http_server import serve
+from miles_core.engines.sglang.client import EngineError, SGLangClient
 from miles_core.net import free_port
-from miles_core.rollout.http_limits import ServerLimits
-from miles_core.rollout.http_server import serve
 from miles_core.rollout.router import Router
-from miles_core.rollout.sglang_client import EngineError, SGLangClient
 from miles_core.tiny import build_tiny_model
-from miles_core.weight_layout import weights_sha256
+from miles_core.weight_sync.layout import weights_sha256
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]

@@ -16,14 +16,14 @@ import torch
 from safetensors.torch import load_file
 
 from miles_core.config import TinyModelConfig
+from miles_core.engines.embedded.engine import EmbeddedEngine
+from miles_core.engines.embedded.http_server import parse_args, serve
+from miles_core.engines.sglang.client import EngineError, SGLangClient, SGLangLauncher
 from miles_core.net import free_port, init_custom_process_group
-from miles_core.rollout.engine import EmbeddedEngine
-from miles_core.rollout.http_server import parse_args, serve
 from miles_core.rollout.router import Router
-from miles_core.rollout.sglang_client import EngineError, SGLangClient, SGLangLauncher
 from miles_core.tiny import build_tiny_model
-from miles_core.weight_layout import weights_sha256
-from miles_core.weights import broadcast_to_engines
+from miles_core.weight_sync.layout import weights_sha256
+from miles_core.weight_sync.transports import broadcast_to_engines
 
 torch.set_num_threads(1)
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0}
@@ -328,7 +328,7 @@ def test_sglang_memory_flags_bound_the_embedded_engine(tiny_model_dir, monkeypat
     """--max-running-requests and --mem-fraction-static reach the engine, from the launcher's
     flags and from rollout.engine (kind embedded) alike."""
     from miles_core.config import RolloutConfig
-    from miles_core.rollout import engine_service
+    from miles_core.engines.embedded import service as engine_service
     from miles_core.rollout.engine_group import launch_engine
 
     built = []
@@ -426,7 +426,7 @@ def test_weight_updates_over_http_take_checkpoint_expert_names_only(tiny_moe_mod
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from miles_core.weight_layout import checkpoint_layout
+    from miles_core.weight_sync.layout import checkpoint_layout
 
     fused = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir).state_dict().items()}
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in fused)
@@ -451,7 +451,7 @@ def test_weight_updates_over_http_take_checkpoint_expert_names_only(tiny_moe_mod
 def launched(tiny_model_dir, tmp_path_factory):
     launcher = SGLangLauncher(
         tiny_model_dir, {"random_seed": 1, "skip_server_warmup": True, "weight_version": "0"},
-        module="miles_core.rollout.http_server", env={"OMP_NUM_THREADS": "1"},
+        module="miles_core.engines.embedded.http_server", env={"OMP_NUM_THREADS": "1"},
         log_path=tmp_path_factory.mktemp("engine") / "engine.log", poll_interval=0.2, startup_timeout=120)
     client = launcher.start(timeout_seconds=60)
     yield launcher, client
@@ -461,7 +461,7 @@ def launched(tiny_model_dir, tmp_path_factory):
 def test_launched_server_serves_at_its_starting_weight_version(launched):
     launcher, client = launched
     cmd = launcher.command()
-    assert cmd[1:3] == ["-m", "miles_core.rollout.http_server"] and "--skip-server-warmup" in cmd
+    assert cmd[1:3] == ["-m", "miles_core.engines.embedded.http_server"] and "--skip-server-warmup" in cmd
     info = client.server_info()
     assert info["random_seed"] == "1" and info["skip_server_warmup"] is True
     assert client.weight_version() == "0"  # --weight-version, not SGLang's "default"

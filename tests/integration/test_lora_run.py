@@ -6,7 +6,7 @@ import json
 
 from safetensors.torch import load_file
 
-from miles_core.driver import run_training
+from miles_core.driver.session import run_training
 from tests.integration.test_train_resume import spec_for
 
 LORA = ("training.lora.rank=4", "training.lora.alpha=8", "training.lr=5e-3")
@@ -50,7 +50,7 @@ def test_lora_run_on_sglang_engines_loads_adapters_by_name(ray_local, tmp_path, 
     from miles_core.driver import TrainSpec
 
     cfg = build_config({}, [
-        "rollout.engine={kind: sglang, server_module: miles_core.rollout.http_server, "
+        "rollout.engine={kind: sglang, server_module: miles_core.engines.embedded.http_server, "
         "server_args: {skip_server_warmup: true}}",
         "rollout.gpus_per_engine=0", "rollout.cpus_per_engine=0.5", "training.cpus_per_trainer=1",
         "training.num_threads=1", "training.num_steps=3", "checkpoint.interval_steps=3",

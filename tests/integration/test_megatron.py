@@ -187,7 +187,7 @@ def test_chunked_vocab_parallel_logprobs_match_log_softmax():
 def test_trainer_learns_and_saves_at_tp1(models):
     from miles_core.training.fsdp import FSDPTrainer
     from miles_core.training.megatron.trainer import MegatronTrainer
-    from miles_core.weight_layout import weights_sha256
+    from miles_core.weight_sync.layout import weights_sha256
 
     training, algorithm = TrainingConfig(**TRAINING), AlgorithmConfig(name="grpo", entropy_coef=0.01)
     trainer = MegatronTrainer(str(models["qwen3"]), training, algorithm, group_size=2)

@@ -6,8 +6,8 @@ from safetensors.torch import load_file
 
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
-from miles_core.driver import TrainSpec, run_training
-from miles_core.evaluation import evaluate_all
+from miles_core.driver.session import TrainSpec, run_training
+from miles_core.evaluation.core import evaluate_all
 
 KEY = "eval/periodic/heldout/pass_at_1"
 

@@ -21,10 +21,11 @@ from prefect import flow
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tasks.promote
-from miles_core import registry, tracking
 from miles_core.config import RunConfig
 from miles_core.data import read_prompts
-from miles_core.evaluation import evaluate_greedy
+from miles_core.evaluation.core import evaluate_greedy
+from miles_core.tracking import registry
+from miles_core.tracking import runs as tracking
 from tasks.promote import PromotionRolledBack, promote
 from tests.conftest import REPO
 
@@ -192,7 +193,7 @@ def eval_recipe(mlflow_uri, tmp_path_factory):
 
 
 def _reference_pass_at_1(model_dir, cfg: RunConfig, eval_path) -> float:
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(str(model_dir), num_threads=2)
     prompts = read_prompts(eval_path, cfg.data, engine.tokenizer)

@@ -3,10 +3,10 @@ extend num_steps): another run key or another config is refused, naming both."""
 
 import pytest
 
-from miles_core.checkpoint import CheckpointMismatchError
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
-from miles_core.driver import TrainSpec, run_training
+from miles_core.driver.session import TrainSpec, run_training
+from miles_core.storage.checkpoint import CheckpointMismatchError
 
 
 def test_a_checkpoint_is_resumed_only_by_its_own_run_and_config(ray_local, tmp_path, tiny_model_dir):

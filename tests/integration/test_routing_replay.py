@@ -24,8 +24,8 @@ from miles_core.config import (
     TrainingConfig,
     build_config,
 )
-from miles_core.data import Prompt, Sample
 from miles_core.tiny import build_tiny_model
+from miles_core.types import Prompt, Sample
 from tests.support import with_tokenizer
 
 NUM_LAYERS, NUM_EXPERTS, TOP_K = 2, 8, 2
@@ -64,7 +64,7 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def engine(dirs):
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
 
     return EmbeddedEngine(str(dirs["moe"]), num_threads=1)
 
@@ -130,9 +130,9 @@ def test_manager_asks_only_when_enabled_and_decodes_sglang_base64(engine):
 
 def test_http_engine_returns_routed_experts_through_the_router(dirs, engine):
     """The flag travels as SGLang's top-level request field, through Router and HTTP."""
-    from miles_core.rollout.http_server import serve
+    from miles_core.engines.embedded.http_server import serve
+    from miles_core.engines.sglang.client import SGLangClient
     from miles_core.rollout.router import Router
-    from miles_core.rollout.sglang_client import SGLangClient
 
     prompt = _prompts(1)[0].input_ids
     params = {"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True, "sampling_seed": 0}
@@ -212,6 +212,30 @@ def _max_diff(trainer_logp: list[list[float]], samples: list[Sample]) -> float:
                for t, s in zip(trainer_logp, samples))
 
 
+def replay_then_free(trainer, samples: list[Sample]) -> dict:
+    """With the trainer's routers perturbed: max |trainer - rollout| log-prob and the experts each
+    router used, first replaying the rollout's experts, then routing freely (the same trainer)."""
+    _perturb_routers(trainer)
+    recorder = _RoutingMaps(trainer.model)
+    replayed = _max_diff(trainer.compute_logprobs(samples), samples)
+    used_with_replay = [m.cpu() for m in recorder.maps]
+    trainer.opts.routing_replay = False
+    recorder.maps.clear()
+    free = _max_diff(trainer.compute_logprobs(samples), samples)
+    used_free = [m.cpu() for m in recorder.maps]
+    recorder.close()
+    return {"replayed": replayed, "free": free, "used_with_replay": used_with_replay, "used_free": used_free}
+
+
+def check_replay(out: dict, expected: list[torch.Tensor], real: torch.Tensor) -> None:
+    """replay_then_free's result: replay used exactly the rollout's experts on every real token,
+    free routing differed somewhere, and replay brought the log-probs closer."""
+    for layer in range(NUM_LAYERS):
+        assert torch.equal(out["used_with_replay"][layer][real], expected[layer][real]), layer
+    assert any((out["used_free"][layer][real] != expected[layer][real]).any() for layer in range(NUM_LAYERS))
+    assert out["replayed"] < out["free"]
+
+
 def test_megatron_forward_replays_the_engine_experts(dirs, engine):
     samples = _rollout_samples(engine, as_sglang=True)
     expected, real = _expected_maps(samples)
@@ -219,17 +243,10 @@ def test_megatron_forward_replays_the_engine_experts(dirs, engine):
     try:
         assert len(trainer.model.router_replays) == NUM_LAYERS
         unperturbed = _max_diff(trainer.compute_logprobs(samples), samples)
-        _perturb_routers(trainer)
-        recorder = _RoutingMaps(trainer.model)
-        replayed = _max_diff(trainer.compute_logprobs(samples), samples)
-        used_with_replay = recorder.maps[:]
-        trainer.opts.routing_replay = False  # the same trainer, routing freely
-        recorder.maps.clear()
-        free = _max_diff(trainer.compute_logprobs(samples), samples)
-        used_free = recorder.maps[:]
-        recorder.close()
+        out = replay_then_free(trainer, samples)
     finally:
         trainer.close()
+    replayed, free, used_with_replay, used_free = (out[k] for k in ("replayed", "free", "used_with_replay", "used_free"))
     print(f"max |train - rollout| logprob: unperturbed {unperturbed:.2e}, perturbed routers with replay "
           f"{replayed:.2e}, without replay {free:.2e}")
     assert len(used_with_replay) == len(used_free) == NUM_LAYERS  # one forward of micro-batch 4 per layer

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from miles_core import reports, tracking
 from miles_core.config import RunConfig, build_config
+from miles_core.evaluation import reports
+from miles_core.tracking import runs as tracking
 
 FAKE_SECRETS = {
     "AWS_SECRET_ACCESS_KEY": "fakeAwsSecret/9f3Kq2LmZx7Rt0Vb",
@@ -91,7 +92,7 @@ def test_redaction_goes_by_name_pattern_at_any_depth_and_spares_counts():
 def test_download_refuses_keys_that_escape_the_target(tmp_path):
     import fsspec
 
-    from miles_core.storage import download_dir
+    from miles_core.storage.object_store import download_dir
 
     memory = fsspec.filesystem("memory")
     memory.pipe("/slip/ok.txt", b"1")

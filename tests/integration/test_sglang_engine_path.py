@@ -11,16 +11,16 @@ import ray
 import requests
 
 from miles_core.config import build_config
-from miles_core.driver import TrainSpec, run_training
-from miles_core.evaluation import evaluate_all
+from miles_core.driver.session import TrainSpec, run_training
+from miles_core.evaluation.core import evaluate_all
 from miles_core.rollout.engine_group import EngineGroup
 
-SERVER_MODULE = "miles_core.rollout.http_server"
+SERVER_MODULE = "miles_core.engines.embedded.http_server"
 NUM_STEPS = 4
 
 
 def server_pids(model_dir) -> set[int]:
-    """Every engine server process launched as `python -m miles_core.rollout.http_server` for
+    """Every engine server process launched as `python -m miles_core.engines.embedded.http_server` for
     model_dir (other tests, maybe running beside this one, serve other models)."""
     pids = set()
     for proc in psutil.process_iter(["pid", "cmdline"]):

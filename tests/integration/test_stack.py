@@ -188,7 +188,7 @@ def test_prefect_client_sees_pool_and_worker(live_stack):
 
 
 def test_ray_jobs_api_is_up_on_loopback(live_stack, monkeypatch):
-    from miles_core.ray_jobs import TimeoutJobClient
+    from miles_core.driver.ray_jobs import TimeoutJobClient
 
     monkeypatch.setenv("RAY_AUTH_TOKEN", live_stack.env["RAY_AUTH_TOKEN"])  # as `source <state dir>/env` does
     address = live_stack.env["RAY_API_SERVER_ADDRESS"]

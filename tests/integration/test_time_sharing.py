@@ -4,10 +4,10 @@ run ends with the same weights, bit for bit, as the same run without time-sharin
 import pytest
 from safetensors.torch import load_file
 
-from miles_core import time_sharing
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
-from miles_core.driver import TrainSpec, run_training
+from miles_core.driver import time_sharing
+from miles_core.driver.session import TrainSpec, run_training
 
 
 @pytest.fixture

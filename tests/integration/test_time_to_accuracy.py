@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from miles_core.evaluation import HELDOUT, evaluate_all
+from miles_core.evaluation.core import HELDOUT, evaluate_all
 from tests.conftest import REPO
 
 

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
-from miles_core.driver import TrainSpec, run_training
+from miles_core.driver.session import TrainSpec, run_training
 
 
 def spec_for(tmp_path, tiny_model_dir, run_dir, num_steps, *overrides):
@@ -71,7 +71,7 @@ def test_a_driver_killed_once_its_checkpoint_is_complete_loses_no_metrics_and_no
     # store even when the kill came before its upload.
     from mlflow.tracking import MlflowClient
 
-    from miles_core import checkpoint, uploads
+    from miles_core.storage import checkpoint, uploads
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)

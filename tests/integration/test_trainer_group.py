@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from miles_core.config import AlgorithmConfig, ConfigError, TrainingConfig, build_config
 from miles_core.data import write_arithmetic_task
-from miles_core.driver import TrainSpec, run_training
-from miles_core.trainer_group import kill_trainer, start_trainer_group
+from miles_core.driver.session import TrainSpec, run_training
+from miles_core.driver.trainer_group import kill_trainer, start_trainer_group
 from miles_core.training.megatron.trainer import MegatronTrainer
 from tests.support import max_abs_diff, random_samples
 

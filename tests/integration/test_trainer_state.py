@@ -3,8 +3,8 @@
 import torch
 
 from miles_core.config import build_config
-from miles_core.data import Sample
 from miles_core.training.fsdp import FSDPTrainer
+from miles_core.types import Sample
 
 
 def test_ppo_critic_state_round_trips(tmp_path, tiny_model_dir):

@@ -7,10 +7,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from miles_core.data import read_prompts
-from miles_core.evaluation import evaluate_greedy
-from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.engines.embedded.engine import EmbeddedEngine
+from miles_core.evaluation.core import evaluate_greedy
 from miles_core.warmup import run_sft_warmup, split_probe
-from miles_core.weight_layout import weights_sha256
+from miles_core.weight_sync.layout import weights_sha256
 
 
 def prompts_of(warm_tiny):

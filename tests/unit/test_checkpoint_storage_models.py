@@ -3,10 +3,10 @@ import shutil
 
 import pytest
 
-from miles_core import checkpoint as ckpt
 from miles_core.config import ModelConfig
-from miles_core.models import ModelSourceError, materialize_model, model_identity
-from miles_core.storage import UploadVerificationError, download_dir, upload_dir
+from miles_core.storage import checkpoint as ckpt
+from miles_core.storage.models import ModelSourceError, materialize_model, model_identity
+from miles_core.storage.object_store import UploadVerificationError, download_dir, upload_dir
 
 
 def _write(step_dir, payload: bytes = b"weights"):
@@ -59,7 +59,7 @@ def test_upload_verifies_and_round_trips(tmp_path, monkeypatch):
     back = download_dir(dest, tmp_path / "back")
     assert (back / "a.bin").read_bytes() == b"a" * 1000
 
-    import miles_core.storage as storage
+    import miles_core.storage.object_store as storage
 
     monkeypatch.setattr(storage, "_remote_sha256", lambda fs, path: "0" * 64)
     with pytest.raises(UploadVerificationError):

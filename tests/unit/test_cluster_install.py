@@ -30,7 +30,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from infra.k8s import DEFAULT_IMAGE
-from miles_core.rollout.sglang_args import SGLANG_VERSIONS_CHECKED
+from miles_core.engines.sglang.args import SGLANG_VERSIONS_CHECKED
 from tests.conftest import REPO
 
 CONSTRAINTS = REPO / "constraints"

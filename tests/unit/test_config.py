@@ -190,7 +190,7 @@ def test_miles_plan_on_every_recipe(recipe):
 
 
 def test_tensor_parallel_layout_plans_one_bundle_per_trainer_rank():
-    from miles_core.placement import bundles, describe
+    from miles_core.driver.placement import bundles, describe
 
     cfg = build_config({}, ["training.backend=megatron", "training.megatron.tensor_parallel_size=4",
                             "training.gpus_per_trainer=4", "training.cpus_per_trainer=16", "rollout.num_engines=2"])
@@ -203,7 +203,7 @@ def test_tensor_parallel_layout_plans_one_bundle_per_trainer_rank():
 
 
 def test_expert_parallel_layout_plans_one_rank_per_gpu_with_dense_data_parallel():
-    from miles_core.placement import describe
+    from miles_core.driver.placement import describe
 
     cfg = build_config({}, ["training.backend=megatron", "training.megatron.expert_parallel_size=8",
                             "training.gpus_per_trainer=8", "training.cpus_per_trainer=32"])

@@ -12,14 +12,14 @@ import torch
 
 from miles_core import algorithms as algo
 from miles_core.config import RolloutConfig, build_config
-from miles_core.data import Prompt, Sample
-from miles_core.loop import collect_rollouts
+from miles_core.driver.loop import collect_rollouts
 from miles_core.plugins import load_plugin
 from miles_core.preflight import _reward_problems
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.multiturn import Trajectory
 from miles_core.tiny import build_tokenizer
 from miles_core.training.batches import pad_batch
+from miles_core.types import Prompt, Sample
 
 TOKENIZER = build_tokenizer()
 EOS = TOKENIZER.eos_token_id
@@ -289,7 +289,7 @@ def test_a_plugin_module_that_fails_to_import_is_reported_on_the_field(tmp_path,
 
 
 def test_evaluation_can_score_the_episodes_of_rollout_generate():
-    from miles_core.evaluation import evaluate_dataset
+    from miles_core.evaluation.core import evaluate_dataset
     from miles_core.rollout import self_correction
 
     class Engine:

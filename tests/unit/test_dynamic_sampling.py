@@ -6,8 +6,9 @@ import logging
 import pytest
 
 from miles_core.config import build_config
-from miles_core.data import Prompt, PromptSource, Sample
-from miles_core.loop import collect_rollouts
+from miles_core.data import PromptSource
+from miles_core.driver.loop import collect_rollouts
+from miles_core.types import Prompt, Sample
 
 N = 4  # samples per prompt
 
@@ -61,7 +62,7 @@ def test_a_full_first_round_needs_no_oversampling():
 
 def test_rounds_running_out_train_a_short_batch_with_a_warning(caplog):
     cfg, manager, source = setup({0, 1, 2, 4, 5, 6}, 16, "algorithm.max_sampling_rounds=2")
-    with caplog.at_level(logging.WARNING, logger="miles_core.loop"):
+    with caplog.at_level(logging.WARNING, logger="miles_core.driver.loop"):
         samples, metrics = collect_rollouts(cfg, manager, source, seed=0)
     assert groups_of(samples) == [3, 7]
     assert metrics["rollout/short_batch"] == 1.0 and metrics["rollout/kept_groups"] == 2.0

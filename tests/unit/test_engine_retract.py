@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_core.rollout.engine_service import EngineService
+from miles_core.engines.embedded.service import EngineService
 
 PROMPT = [5, 9, 14, 3, 7]
 PAUSE_AT, MAX_NEW = 3, 8
@@ -111,7 +111,7 @@ def _out(ids, finish, version="0"):
 
 
 def test_only_rows_cut_short_continue_and_each_keeps_its_own_budget():
-    from miles_core.rollout.retract import merge_continuation, unfinished_rows
+    from miles_core.engines.embedded.retract import merge_continuation, unfinished_rows
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from miles_core.driver.ray_jobs import DriverJobFailed, DriverJobLost, DriverStalled
+from miles_core.engines.sglang.client import EngineError
 from miles_core.errors import InfrastructureError, is_retryable, is_retryable_class
-from miles_core.ray_jobs import DriverJobFailed, DriverJobLost, DriverStalled
 from miles_core.rollout.router import NoHealthyEngine
-from miles_core.rollout.sglang_client import EngineError
-from miles_core.storage import UploadVerificationError
-from miles_core.uploads import StoreUnavailable, UploadFailed
+from miles_core.storage.object_store import UploadVerificationError
+from miles_core.storage.uploads import StoreUnavailable, UploadFailed
 
 
 class ActorDiedError(Exception):

@@ -9,8 +9,8 @@ from math import comb
 import pytest
 
 from miles_core.config import ArithmeticTaskConfig, build_config
-from miles_core.data import Prompt, read_prompts, write_arithmetic_task
-from miles_core.evaluation import (
+from miles_core.data import read_prompts, write_arithmetic_task
+from miles_core.evaluation.core import (
     ExternalEvalError,
     evaluate_all,
     evaluate_dataset,
@@ -18,6 +18,7 @@ from miles_core.evaluation import (
     pass_at_k,
     run_external_eval,
 )
+from miles_core.types import Prompt
 
 # ---- pass@k ------------------------------------------------------------------------------------
 
@@ -127,7 +128,7 @@ def test_evaluate_all_covers_heldout_and_extra_datasets(tiny_model_dir, tmp_path
     assert "pass@2" not in results["heldout"]  # greedy: n = 1
     assert set(results["sampled"]) >= {"pass@1", "pass@2", "avg@2"} and results["sampled"]["num_samples"] == 2
 
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(str(tiny_model_dir), num_threads=2)
     greedy = evaluate_greedy(engine, read_prompts(eval_path, cfg.data, engine.tokenizer), "exact_match", 3, 256)
@@ -173,7 +174,7 @@ def test_external_eval_failures_are_explained(tmp_path):
 # ---- reports (no MLflow) ------------------------------------------------------------------------
 
 def test_report_rows_markdown_and_samples():
-    from miles_core.reports import eval_report, report_markdown, sample_rollouts, summary_metrics
+    from miles_core.evaluation.reports import eval_report, report_markdown, sample_rollouts, summary_metrics
 
     before = {"pass@1": 0.25, "num_prompts": 4, "examples": []}  # a bare result is the held-out set
     after = {"heldout": {"pass@1": 0.5, "num_prompts": 4, "examples": [

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from miles_core.config import build_config
-from miles_core.models import ModelSourceError, materialize_model
 from miles_core.preflight import PreflightError, preflight
+from miles_core.storage.models import ModelSourceError, materialize_model
 from tests.conftest import REPO, run_env
 
 

@@ -9,10 +9,10 @@ from safetensors.torch import load_file
 
 from miles_core.config import build_config
 from miles_core.config.base import ConfigError
-from miles_core.data import Sample
-from miles_core.lora_weights import payload_bytes
-from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.engines.embedded.engine import EmbeddedEngine
 from miles_core.training.fsdp import FSDPTrainer
+from miles_core.types import Sample
+from miles_core.weight_sync.lora import payload_bytes
 from tests.support import max_abs_diff, random_samples
 
 LORA = ["training.lora.rank=4", "training.lora.alpha=8", "training.num_threads=1", "training.lr=1e-2"]

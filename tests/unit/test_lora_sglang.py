@@ -7,13 +7,13 @@ import requests
 
 from miles_core.config import build_config
 from miles_core.config.base import ConfigError
-from miles_core.rollout.http_server import parse_args, serve
-from miles_core.rollout.sglang_args import server_arg_flags
-from miles_core.rollout.sglang_client import EngineError, SGLangClient
+from miles_core.engines.embedded.http_server import parse_args, serve
+from miles_core.engines.sglang.args import server_arg_flags
+from miles_core.engines.sglang.client import EngineError, SGLangClient
 from miles_core.training.fsdp import FSDPTrainer
 from tests.support import max_abs_diff, random_samples
 
-SGLANG = ["rollout.engine={kind: sglang, server_module: miles_core.rollout.http_server}", "rollout.gpus_per_engine=0"]
+SGLANG = ["rollout.engine={kind: sglang, server_module: miles_core.engines.embedded.http_server}", "rollout.gpus_per_engine=0"]
 LORA = ["training.lora.rank=4", "training.lora.alpha=8", "training.num_threads=1", "training.lr=1e-2"]
 ALL_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 SERVED = {"enable_lora": True, "max_lora_rank": 4, "lora_target_modules": ALL_LINEAR}

@@ -3,7 +3,7 @@
 import pytest
 from mlflow.tracking import MlflowClient
 
-from miles_core.tracking import MetricsLogger
+from miles_core.tracking.runs import MetricsLogger
 
 PROBE = "time/step_seconds"
 NUM_KEYS = 600  # two steps of these do not fit one MLflow batch (1000 metrics)
@@ -65,8 +65,8 @@ def test_a_step_over_mlflows_batch_limit_is_split_with_its_probe_last(run, monke
 
 def test_the_runs_curves_come_whole_from_mlflow_across_sessions(run):
     """What the summary and plots read: every step either session logged, once per step."""
-    from miles_core.reports import periodic_points_of_run
-    from miles_core.tracking import metric_history
+    from miles_core.evaluation.reports import periodic_points_of_run
+    from miles_core.tracking.runs import metric_history
 
     client, run_id = run
     first = MetricsLogger(client.tracking_uri, run_id)

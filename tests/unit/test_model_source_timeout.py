@@ -8,7 +8,7 @@ import time
 import pytest
 
 from miles_core.config import ModelConfig, build_config
-from miles_core.models import materialize_model
+from miles_core.storage.models import materialize_model
 
 
 @pytest.fixture

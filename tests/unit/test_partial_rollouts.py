@@ -12,10 +12,10 @@ import torch
 
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, RolloutConfig
-from miles_core.data import Prompt, Sample, token_versions
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.partial import append_segment, version_metrics
 from miles_core.training.batches import mixed_version_fraction, pad_batch
+from miles_core.types import Prompt, Sample, token_versions
 
 PROMPTS = [Prompt(0, "a", "x", [3, 4, 5]), Prompt(1, "b", "y", [6, 7])]
 LONG = Prompt(2, "c", "z", [8, 8, 9])
@@ -291,8 +291,8 @@ class PausableEngines(StubEngines):
 
 def test_fully_async_with_partial_rollouts_continues_a_sample_cut_by_a_weight_update():
     from miles_core.config import build_config
-    from miles_core.loop import make_partial_producer
-    from miles_core.schedules import FullyAsyncSchedule
+    from miles_core.driver.loop import make_partial_producer
+    from miles_core.driver.schedules import FullyAsyncSchedule
 
     cfg = build_config({"rollout": {"loop": "fully_async"}},
                        ["rollout.partial.enabled=true", "algorithm.correction.kind=tis", "algorithm.name=ppo",

@@ -35,9 +35,14 @@ def test_an_fp8_engine_under_bf16_precision_is_refused(quantization):
         build_config({"rollout": rollout}, TIS)
 
 
-def test_embedded_engine_is_bf16_only():
-    with pytest.raises(ConfigError, match="not implemented for the embedded engine"):
-        build_config({}, ["rollout.precision=fp8", *TIS])
+def test_embedded_fp8_takes_full_weights_it_quantizes_itself():
+    assert build_config({}, ["rollout.precision=fp8", *TIS]).rollout.weight_transport.kind == "object_store"
+    with pytest.raises(ConfigError, match="rollout.weight_transport=object_store"):
+        build_config({}, ["rollout.precision=fp8", "rollout.weight_transport=broadcast", *TIS])
+    with pytest.raises(ConfigError, match="verify_weight_sync=false"):
+        build_config({}, ["rollout.precision=fp8", "rollout.verify_weight_sync=true", *TIS])
+    with pytest.raises(ConfigError, match="cannot merge LoRA adapters into FP8"):
+        build_config({}, ["rollout.precision=fp8", "training.lora.rank=4", *TIS])
     with pytest.raises(ConfigError, match="rollout.precision"):
         build_config({}, ["rollout.precision=fp16"])
 

@@ -1,4 +1,4 @@
-"""Block-wise FP8 quantization (miles_core/quantization.py) against hand-written references and
+"""Block-wise FP8 quantization (miles_core/weight_sync/quantization.py) against hand-written references and
 the layout SGLang's fp8 loader registers.
 
 SGLang facts these tests pin (sgl-project/sglang, python/sglang/srt/layers/quantization/):
@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from miles_core.quantization import (
+from miles_core.weight_sync.quantization import (
     FP8_MAX,
     dequantize_block_fp8,
     dequantize_channel_fp8,
@@ -157,7 +157,7 @@ def test_fp8_engine_checkpoint_from_the_tiny_model(tiny_model_dir, tmp_path):
 
     from safetensors.torch import load_file
 
-    from miles_core.fp8_checkpoint import write_fp8_checkpoint
+    from miles_core.weight_sync.fp8_checkpoint import write_fp8_checkpoint
 
     out = write_fp8_checkpoint(tiny_model_dir, tmp_path / "fp8")
     config = json.loads((out / "config.json").read_text())
@@ -179,8 +179,8 @@ def test_fp8_engine_checkpoint_from_the_tiny_model(tiny_model_dir, tmp_path):
 
 
 def test_sglang_block_shape_rules():
-    from miles_core.fp8_checkpoint import block_shape_problems
     from miles_core.memory import KNOWN_HF_CONFIGS
+    from miles_core.weight_sync.fp8_checkpoint import block_shape_problems
 
     qwen3_4b = KNOWN_HF_CONFIGS["Qwen/Qwen3-4B"]  # q 4096, k/v 1024, MLP 9728 = 76 * 128
     assert block_shape_problems(qwen3_4b, 1) == [] and block_shape_problems(qwen3_4b, 4) == []  # 2432 = 19 * 128
@@ -195,7 +195,7 @@ def test_sglang_block_shape_rules():
 
 def test_fp8_rollout_engines_start_from_the_converted_copy(tmp_path):
     from miles_core.config import TinyModelConfig, build_config
-    from miles_core.run import _engine_model_dir
+    from miles_core.driver.run import _engine_model_dir
     from miles_core.tiny import build_tiny_model
 
     # 4 heads of 32 and 4 kv heads: q, k, v 128 rows each, MLP 256: whole 128-row blocks

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from ray.job_submission import JobStatus
 
-from miles_core import ray_jobs
 from miles_core.config import RunConfig
-from miles_core.driver import TrainResult, TrainSpec
+from miles_core.driver import ray_jobs
+from miles_core.driver.session import TrainResult, TrainSpec
 from miles_core.errors import is_retryable
 
 
@@ -51,7 +51,7 @@ def test_next_attempt_is_submitted_after_finished_ones(tmp_path):
     sid, attached = ray_jobs.submit_or_attach(client, "key", tmp_path, JOB, "/venv/bin/python")
     assert (sid, attached) == ("miles-key-3", False)
     entrypoint = client.submitted[0][1]
-    assert entrypoint.startswith("/venv/bin/python -m miles_core.driver --spec ")
+    assert entrypoint.startswith("/venv/bin/python -m miles_core.driver.session --spec ")
     assert json.loads((tmp_path / "miles-key-3.job.json").read_text())["mlflow_run_id"] == "abc"
 
 

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from miles_core.config import RolloutConfig
-from miles_core.data import Prompt, Sample
 from miles_core.rollout.remote_reward import RemoteRewardClient, RemoteRewardError
+from miles_core.types import Prompt, Sample
 
 
 class RewardServer:

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from flows.rl_posttrain import rl_posttrain
-from miles_core import tracking
-from miles_core.checkpoint import check_run_key
 from miles_core.config import load_config
+from miles_core.storage.checkpoint import check_run_key
+from miles_core.tracking import runs as tracking
 from tests.conftest import REPO
 
 RECIPE = str(REPO / "configs/local.yaml")

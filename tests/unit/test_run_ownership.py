@@ -4,7 +4,7 @@ before it writes anything or starts a run anywhere."""
 import pytest
 
 from flows.rl_posttrain import rl_posttrain
-from miles_core import tracking
+from miles_core.tracking import runs as tracking
 from tests.conftest import REPO
 
 RECIPE = str(REPO / "configs/local.yaml")

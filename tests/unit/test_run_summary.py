@@ -6,7 +6,7 @@ import json
 from typer.testing import CliRunner
 
 from flows.cli import app
-from miles_core.artifacts import Dataset
+from miles_core.storage.artifacts import Dataset
 from miles_core.summary import HeldOutScores, MlflowRef, RunSummary, WarmupRecord
 
 # what the e2e tests, bench/seed_sweep.py and users' scripts read from summary.json
@@ -44,3 +44,15 @@ def test_show_prints_a_summary_back(tmp_path):
     out = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
     assert "0.300 -> 0.750" in out and "310 steps, probe pass@1 0.305" in out and "models:/m/1 (@champion" in out
+
+
+def test_the_flow_times_exactly_the_listed_stages_in_order():
+    """summary.json's timings and `miles plan`'s stage list come from STAGES: the flow must time
+    each of them, in that order, and nothing else."""
+    import re
+    from pathlib import Path
+
+    from miles_core.summary import STAGES
+
+    source = (Path(__file__).resolve().parents[2] / "flows" / "rl_posttrain.py").read_text()
+    assert tuple(re.findall(r'with timer\("([a-z_]+)"\)', source)) == STAGES

@@ -10,8 +10,8 @@ from prefect.utilities.schema_tools.validation import validate
 
 from flows.rl_posttrain import _open_run_dir, rl_posttrain
 from infra import stack
-from miles_core import tracking
 from miles_core.config import build_config
+from miles_core.tracking import runs as tracking
 
 SECRET = "hunter2-s3cr3t"
 SECRET_OVERRIDES = [f"rollout.engine.server_args.{name}={SECRET}"

@@ -3,8 +3,8 @@ and a sample of the softmax it is given (checked by a chi-square test)."""
 
 import torch
 
-from miles_core.rollout.engine import SeededSampling
-from miles_core.rollout.slot_decoder import counter_uniform
+from miles_core.engines.embedded.engine import SeededSampling
+from miles_core.engines.embedded.slot_decoder import counter_uniform
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
 CHI2_999_3DOF = 16.27  # 99.9% quantile of chi-square with 3 degrees of freedom

@@ -10,8 +10,8 @@ import base64
 import pytest
 import torch
 
-from miles_core.sglang_ipc import flatten_bucket, send_weights_over_cuda_ipc, serialize_bucket
-from miles_core.shared_weights import ALIGN_ELEMENTS
+from miles_core.weight_sync.cuda_ipc import flatten_bucket, send_weights_over_cuda_ipc, serialize_bucket
+from miles_core.weight_sync.shared import ALIGN_ELEMENTS
 from tests.sglang_reader import SGLangUnpickler, read_as_sglang
 from tests.unit.test_sglang_shapes import UPDATE_OK
 
@@ -92,7 +92,7 @@ def test_a_refused_bucket_fails_the_sync_and_closes_the_session(fake):
 
 def test_the_config_names_the_transport_with_its_bucket_size_and_the_engine_dtype():
     from miles_core.config import build_config
-    from miles_core.weights import CudaIpcTransport, make_transport
+    from miles_core.weight_sync.transports import CudaIpcTransport, make_transport
 
     cfg = build_config({}, ["rollout.engine=sglang", "rollout.weight_transport=cuda_ipc",
                             "rollout.weight_transport.bucket_megabytes=64", "rollout.gpus_per_engine=0.5",

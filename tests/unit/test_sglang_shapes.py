@@ -16,9 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from miles_core.engines.sglang.args import server_arg_flags
+from miles_core.engines.sglang.client import EngineError, SGLangClient, SGLangLauncher
 from miles_core.net import free_port
-from miles_core.rollout.sglang_args import server_arg_flags
-from miles_core.rollout.sglang_client import EngineError, SGLangClient, SGLangLauncher
 
 GENERATE_RESPONSE = {
     "text": " 42",
@@ -231,7 +231,7 @@ def test_launcher_command_for_sglang():
 
 
 def test_an_api_key_that_starts_with_a_dash_reaches_the_server_intact():
-    from miles_core.rollout.http_server import parse_args
+    from miles_core.engines.embedded.http_server import parse_args
 
     key = "-Xy_" + "k" * 39  # secrets.token_urlsafe draws "-" first once in 64 engine groups
     launcher = SGLangLauncher("/models/qwen3", {}, port=31000, api_key=key)

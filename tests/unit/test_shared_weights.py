@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from miles_core.shared_weights import ALIGN_ELEMENTS, SharedWeights
 from miles_core.training.megatron.launch import run_spawned
+from miles_core.weight_sync.shared import ALIGN_ELEMENTS, SharedWeights
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -93,7 +93,7 @@ def test_a_full_dev_shm_fails_before_anything_is_written(monkeypatch):
     import errno
     import os
 
-    from miles_core import shared_weights
+    from miles_core.weight_sync import shared as shared_weights
 
     def no_space(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -1,4 +1,4 @@
-"""The embedded engine's continuous batching (miles_core.rollout.slot_decoder): with fewer slots
+"""The embedded engine's continuous batching (miles_core.engines.embedded.slot_decoder): with fewer slots
 than prompts, refilled slots must give what transformers' generate gives each prompt, log-probs
 included, and stop where SGLang stops."""
 
@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from miles_core.rollout import slot_decoder
-from miles_core.rollout.engine import EmbeddedEngine
+from miles_core.engines.embedded import slot_decoder
+from miles_core.engines.embedded.engine import EmbeddedEngine
 
 SAMPLINGS = [
     ({"temperature": 0.0, "max_new_tokens": 12}, None),

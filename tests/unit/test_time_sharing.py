@@ -26,7 +26,7 @@ def test_time_sharing_runs_colocated_and_sync():
 
 
 def test_engine_releases_its_kv_cache_and_rebuilds_it_on_the_next_call(tiny_model_dir):
-    from miles_core.rollout.engine import EmbeddedEngine
+    from miles_core.engines.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=True)
     params = {"max_new_tokens": 4, "temperature": 0.0}
@@ -57,9 +57,9 @@ def test_a_time_shared_step_hands_the_device_over_in_order(monkeypatch):
     push -> offload -> resume kv cache, every step."""
     from types import SimpleNamespace
 
-    from miles_core import loop, time_sharing
-    from miles_core.run import LoopState
-    from miles_core.schedules import RolloutBatch
+    from miles_core.driver import loop, time_sharing
+    from miles_core.driver.run import LoopState
+    from miles_core.driver.schedules import RolloutBatch
 
     rec = _Recorder()
     monkeypatch.setattr(time_sharing, "ray", SimpleNamespace(get=lambda value: value))

@@ -5,8 +5,8 @@ device is the CPU: the storages are freed and restored all the same)."""
 import torch
 
 from miles_core.config import build_config
-from miles_core.data import Sample
 from miles_core.training.fsdp import FSDPTrainer
+from miles_core.types import Sample
 
 
 def _samples() -> list[Sample]:

@@ -4,7 +4,7 @@ trainer and an engine that hold different layouts)."""
 
 import torch
 
-from miles_core.weight_layout import checkpoint_layout, fused_layout, weights_sha256
+from miles_core.weight_sync.layout import checkpoint_layout, fused_layout, weights_sha256
 
 
 def _fused() -> dict[str, torch.Tensor]:

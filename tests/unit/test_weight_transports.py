@@ -6,7 +6,7 @@ up again for an engine restarted at its old URL."""
 import pytest
 import ray
 
-from miles_core.weights import BroadcastTransport, SharedMemoryTransport, broadcast_rank_layout
+from miles_core.weight_sync.transports import BroadcastTransport, SharedMemoryTransport, broadcast_rank_layout
 
 OK = {"success": True}
 
@@ -55,9 +55,9 @@ def engine_http(monkeypatch):
     """ray.get returns what it is given; the engines' group routes are recorded."""
     calls = []
     monkeypatch.setattr(ray, "get", lambda ref, **_: ref)
-    monkeypatch.setattr("miles_core.weights.SGLangClient.init_weights_update_group",
+    monkeypatch.setattr("miles_core.weight_sync.transports.SGLangClient.init_weights_update_group",
                         lambda self, *args: calls.append(("init", self.base_url)) or OK)
-    monkeypatch.setattr("miles_core.weights.SGLangClient.destroy_weights_update_group",
+    monkeypatch.setattr("miles_core.weight_sync.transports.SGLangClient.destroy_weights_update_group",
                         lambda self, *args: calls.append(("destroy", self.base_url)) or OK)
     return calls
 
@@ -65,7 +65,7 @@ def engine_http(monkeypatch):
 def test_each_engine_joins_at_its_offset_in_a_world_of_all_ranks(monkeypatch):
     joined = []
     monkeypatch.setattr(ray, "get", lambda ref, **_: ref)
-    monkeypatch.setattr("miles_core.weights.SGLangClient.init_weights_update_group",
+    monkeypatch.setattr("miles_core.weight_sync.transports.SGLangClient.init_weights_update_group",
                         lambda self, *args: joined.append((self.base_url, *args)) or {"success": True})
     trainer = _Trainer()
     targets = tuple((_Engine(), url) for url in ("http://a", "http://b", "http://c"))
@@ -108,8 +108,8 @@ def test_an_engine_maps_a_shared_buffer_once_and_loads_each_write(tiny_model_dir
     load copies what the trainer last wrote."""
     import torch
 
-    from miles_core.rollout.http_server import serve
-    from miles_core.shared_weights import SharedWeights
+    from miles_core.engines.embedded.http_server import serve
+    from miles_core.weight_sync.shared import SharedWeights
 
     with serve(tiny_model_dir) as server:
         live = dict(server.engine.model.named_parameters())
@@ -139,11 +139,12 @@ def test_fp8_broadcast_announces_and_sends_block_fp8_linears(monkeypatch):
 
     import torch
 
-    from miles_core.weights import broadcast_to_engines
+    from miles_core.weight_sync.transports import broadcast_to_engines
 
     announced, sent = [], []
-    monkeypatch.setattr("miles_core.weights.SGLangClient.weight_update_session", lambda self: contextlib.nullcontext())
-    monkeypatch.setattr("miles_core.weights.SGLangClient.update_weights_from_distributed",
+    monkeypatch.setattr("miles_core.weight_sync.transports.SGLangClient.weight_update_session",
+                        lambda self: contextlib.nullcontext())
+    monkeypatch.setattr("miles_core.weight_sync.transports.SGLangClient.update_weights_from_distributed",
                         lambda self, names, dtypes, shapes, *_: announced.extend(zip(names, dtypes, shapes)) or OK)
 
     class _Done:

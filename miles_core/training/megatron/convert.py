@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from miles_core.checkpoint import sha256_file
+from miles_core.storage.checkpoint import sha256_file
 from miles_core.training.megatron.safe_metadata import read_metadata, restricted_metadata_loading
 
 CONVERTER_VERSION = "miles-megatron-torch_dist-v1"

@@ -119,7 +119,7 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], s: ModelShape) -> dict[str, torc
     """HF tensors from full Megatron ones (vocab un-padded, qkv and fc1 split; no lm_head when tied).
 
     MoE experts come out per expert (`mlp.experts.{e}.gate_proj.weight`), the checkpoint layout
-    that save_pretrained writes and SGLang loads (miles_core.weights.fused_layout gives the
+    that save_pretrained writes and SGLang loads (miles_core.weight_sync.transports.fused_layout gives the
     transformers 5 module layout).
     """
     inverse = {v: k for k, v in _SIMPLE.items()}

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from miles_core.data import Sample
+from miles_core.types import Sample
 
 
 def claim_router_replays(model) -> list:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from miles_core.checkpoint import UnsafeCheckpointError
+from miles_core.storage.checkpoint import UnsafeCheckpointError
 
 # Modules whose own classes (dataclasses and enums) DCP metadata is made of; megatron's save
 # also records its SavePlan (planner module).

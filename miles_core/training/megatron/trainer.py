@@ -26,7 +26,6 @@ from transformers import AutoConfig, AutoTokenizer
 
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
-from miles_core.data import Sample
 from miles_core.training import state_io
 from miles_core.training.batches import pad_batch
 from miles_core.training.core import RLTrainerCore
@@ -50,7 +49,8 @@ from miles_core.training.megatron.model import (
     shutdown_parallel,
 )
 from miles_core.training.megatron.routing_replay import replayed_routing, routing_targets
-from miles_core.weight_layout import weights_sha256
+from miles_core.types import Sample
+from miles_core.weight_sync.layout import weights_sha256
 
 
 @dataclass

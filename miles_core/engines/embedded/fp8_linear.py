@@ -1,0 +1,97 @@
+"""A linear layer holding its weight in block FP8 (miles_core.weight_sync.quantization's layout), for an
+engine that generates with rollout.precision=fp8 itself: the embedded engine started with
+SGLang's `--quantization fp8` swaps its decoder projections for these and quantizes every weight
+it is sent (Fp8Weights.copy).
+
+The forward dequantizes the weight and runs the matmul in the activations' dtype: the numerics
+of an FP8-weight engine minus activation quantization, on any device. It is the reference a
+Hopper kernel (torch._scaled_mm with 128x128 weight scales and 1x128 activation scales) would be
+checked against, and lets CPU tests measure the log-prob gap FP8 weights open against the trainer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles_core.weight_sync.quantization import (
+    BLOCK,
+    FP8_DTYPE,
+    emulated_fp8_linear,
+    is_quantized_weight,
+    quantize_block_fp8,
+)
+
+
+class Fp8BlockLinear(torch.nn.Module):
+    """y = x @ dequant(weight, weight_scale_inv).T + bias, the weight stored as float8_e4m3fn."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
+                 block: tuple[int, int] = BLOCK):
+        super().__init__()
+        # Buffers, not parameters: an engine never trains them, and optimizers must not see fp8 tensors.
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale_inv", weight_scale_inv)
+        self.register_buffer("bias", bias)
+        self.block = block
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, block: tuple[int, int] = BLOCK) -> Fp8BlockLinear:
+        q, scale_inv = quantize_block_fp8(linear.weight.detach(), block)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, scale_inv, bias, block)
+
+    def load_quantized(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> None:
+        """A weight sync: copy a new FP8 weight and its scales in place (shapes must match)."""
+        self.weight.copy_(weight)
+        self.weight_scale_inv.copy_(weight_scale_inv)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return emulated_fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
+
+
+def swap_to_fp8_linears(model: torch.nn.Module, block: tuple[int, int] = BLOCK) -> list[str]:
+    """Replace, in place, every nn.Linear whose `<name>.weight` SGLang's fp8 loader quantizes
+    (decoder-layer projections) by an Fp8BlockLinear; returns the replaced module names."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and is_quantized_weight(f"{name}.weight"):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, Fp8BlockLinear.from_linear(module, block))
+            swapped.append(name)
+    return swapped
+
+
+class Fp8Weights:
+    """Where a model's weights load once its projections are Fp8BlockLinears: a copy into an FP8
+    weight quantizes the source block-wise (and sets that layer's scales), unless the source is
+    already FP8 (a block-FP8 payload that brings its `weight_scale_inv` too). Every other tensor
+    is copied as is. A plain cast into float8 would lose the scales: never done."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = [m for m in model.modules() if isinstance(m, Fp8BlockLinear)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The FP8 layers' weight and scale buffers (what releasing the weights must free too)."""
+        return [t for m in self.modules for t in (m.weight, m.weight_scale_inv)]
+
+    def layer_of(self, tensor: torch.Tensor) -> Fp8BlockLinear | None:
+        """The FP8 layer whose weight `tensor` is (or views: state_dict() detaches), else None."""
+        if tensor.dtype != FP8_DTYPE:
+            return None
+        pointer = tensor.untyped_storage().data_ptr()
+        return next((m for m in self.modules if m.weight.untyped_storage().data_ptr() == pointer), None)
+
+    @torch.no_grad()
+    def copy(self, targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        plain_targets, plain_sources = [], []
+        for target, source in zip(targets, sources):
+            module = self.layer_of(target) if source.dtype != target.dtype else None
+            if module is None:
+                plain_targets.append(target)
+                plain_sources.append(source)
+            else:
+                module.load_quantized(*quantize_block_fp8(source.to(target.device), module.block))
+        if plain_targets:
+            torch._foreach_copy_(plain_targets, plain_sources)
