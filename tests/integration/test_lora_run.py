@@ -47,7 +47,7 @@ def test_lora_run_on_sglang_engines_loads_adapters_by_name(ray_local, tmp_path, 
     name it (lora_path); the engine's log-probs match the trainer's only if they did, since the
     engine's base weights never change."""
     from miles_core.config import build_config
-    from miles_core.driver import TrainSpec
+    from miles_core.driver.session import TrainSpec
 
     cfg = build_config({}, [
         "rollout.engine={kind: sglang, server_module: miles_core.engines.embedded.http_server, "
