@@ -17,7 +17,7 @@ from rich.table import Table
 
 from infra.stack import RAY_LOOPBACK_ONLY
 from miles_core.config import ConfigError, RunConfig, field_docs, load_config
-from miles_core.config.schema import choose_transport
+from miles_core.config.transport import choose_transport
 from miles_core.driver.placement import describe, strategy
 
 if TYPE_CHECKING:
