@@ -6,6 +6,8 @@ loop, the weight transport), on a random Qwen3 of the 0.6B shape or the tiny mod
     python bench/driver_gpu.py --engine sglang --sglang-python /tmp/sgl-python    # auto: cuda_ipc
     python bench/driver_gpu.py --model qwen3-4b-shape --time-sharing --micro-batch 2 \
         --set training.fsdp.activation_checkpointing=true        # issue 40: 4B full-parameter on one GPU
+    python bench/driver_gpu.py --model qwen3-4b-shape --engine sglang --sglang-python /tmp/sgl-python \
+        --set training.lora.rank=32           # issue 41: LoRA, adapters alone to SGLang by disk
 
 Prints one JSON line: the step-time breakdown (rollout, train, weight sync) per step and the
 median over the steps after the first (the first compiles and warms caches).
@@ -34,7 +36,8 @@ from _common import (
 )
 
 BREAKDOWN = ("time/step_seconds", "time/rollout_seconds", "time/rollout_wait_seconds", "time/train_seconds",
-             "weights/sync_seconds", "weights/shared_write_seconds", "weights/shared_load_seconds",
+             "weights/sync_seconds", "weights/sync_bytes", "weights/ipc_gbytes",
+             "weights/shared_write_seconds", "weights/shared_load_seconds",
              "rollout/tokens_per_second", "train/tokens_per_second", "rollout/train_logprob_abs_diff",
              "rollout/reward_mean", "train/loss",
              # placement.time_sharing: the trainer's offload/onload and the engine's release/resume

@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--mean-length", type=int, default=0, help="stop tokens for about this mean length (0: none)")
     parser.add_argument("--mem-fraction-static", type=float, default=None,
                         help="the engine's KV cache size, as SGLang's flag (default: 40%% of the free memory)")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="SGLang's flag: block-FP8 decoder projections (rollout.precision=fp8)")
     parser.add_argument("--phases", action="store_true",
                         help="also time the engine without log-probs and without seeds, and print a profile "
                              "of its kernels to stderr")
@@ -130,7 +132,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(args.model, Path(tmp) / "model", dtype)
         engine = EmbeddedEngine(str(model_dir), dtype=str(dtype).removeprefix("torch."), max_batch_size=args.batch,
-                                mem_fraction_static=args.mem_fraction_static)
+                                mem_fraction_static=args.mem_fraction_static, quantization=args.quantization)
         work = prompts(args.num_seqs, args.prompt_len, vocab)
         # EOS stays on with stop ids (SGLang's ignore_eos would turn stop_token_ids off too); the
         # baseline then stops at the same set: the stop ids and every EOS id of the model.
@@ -152,7 +154,8 @@ def main() -> None:
         hf_baseline(engine.model, work[: args.batch], 4, args.batch, engine.pad_id, stop_ids)  # warm-up
         base, base_produced = hf_baseline(engine.model, work, args.new_tokens, args.batch, engine.pad_id, stop_ids)
     print(json.dumps({
-        "model": args.model, "device": str(engine.device), **gpu_identity(), "num_seqs": args.num_seqs,
+        "model": args.model, "quantization": args.quantization, "device": str(engine.device), **gpu_identity(),
+        "num_seqs": args.num_seqs,
         "new_tokens": args.new_tokens,
         "batch": args.batch, "mean_length_target": args.mean_length, "slot_decoding": engine.slots is not None,
         "engine_mean_length": round(produced / len(outs), 1), "hf_mean_length": round(base_produced / len(work), 1),

@@ -22,7 +22,8 @@ On the GPU machine, after each set arrives: `sh tests/gpu/install.sh .whl/gpu/<s
   pandas and python-dateutil, dill, multiprocess, xxhash), for bench/grpo_vs_trl.py and
   bench/time_to_accuracy.py. pyarrow's wheel (50 MB) leaves out Arrow Flight (RPC, 10 MB), its C++
   headers and tests: datasets never loads them.
-- megatron: megatron-core 0.19.2 (2.4 MB), for bench/megatron_mfu.py and tests/gpu/test_megatron_gpu.py.
+- megatron: megatron-core 0.19.2 (2.4 MB), for bench/megatron_mfu.py and tests/gpu/test_megatron_gpu.py, and
+  torchao 0.18.0 (3.4 MB; float8 training, `training.fp8`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ TOOLS = ("pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-i
 RAY = "ray==2.60.0 msgpack==1.2.4"
 TRL = ("trl==1.16.0 accelerate==1.16.0 datasets==5.2.0 pyarrow==25.0.1 pandas==3.1.1 python-dateutil==2.9.0.post0 "
        "six==1.17.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0")
-MEGATRON = "megatron-core==0.19.2"  # its dependencies (torch, numpy, packaging) are on the image
+# the trainer side: its dependencies (torch, numpy, packaging) are on the image; torchao for training.fp8
+MEGATRON = "megatron-core==0.19.2 torchao==0.18.0"
 SETS = {"sglang-a": SGLANG_A, "sglang-b": SGLANG_B, "tools": TOOLS, "ray": RAY, "trl": TRL, "megatron": MEGATRON}
 # wheel name prefix -> member patterns left out
 SLIM = {"sglang_kernel-": ("flash_ops", "/sm100/", "infllm_ops", "flashmla_ops"),
