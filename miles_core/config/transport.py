@@ -53,9 +53,12 @@ def check_transport(cfg: RunConfig) -> None:
                          "the trainer's device: rollout.weight_transport=shared_memory)")
     if transport in ("shared_memory", "cuda_ipc"):
         _on_one_device(cfg, transport)
-    if r.engine.kind == "sglang" and r.engine.is_sglang and r.gpus_per_engine < 1 and transport != "cuda_ipc":
+    # A fraction of a GPU beside the trainer: the weights come by CUDA IPC, or from disk (LoRA
+    # adapters go that way); both ran against SGLang 0.5.17 sharing one H100 with the trainer.
+    if (r.engine.kind == "sglang" and r.engine.is_sglang and r.gpus_per_engine < 1
+            and transport not in ("cuda_ipc", "disk")):
         raise ValueError("the sglang engine needs a GPU: set rollout.gpus_per_engine >= 1 (a fraction of one "
-                         "only beside the trainer on its GPU, with rollout.weight_transport=cuda_ipc)")
+                         "only beside the trainer on its GPU, with rollout.weight_transport=cuda_ipc or disk)")
     t = cfg.training
     if transport == "broadcast" and t.gpus_per_trainer > 0 and r.gpus_per_engine > 0 and (
             t.gpus_per_trainer / t.world_size < 1 or r.gpus_per_engine < 1):

@@ -152,6 +152,15 @@ def test_broadcast_is_refused_where_ranks_may_share_a_gpu():
     assert whole.rollout.weight_transport.kind == "broadcast"
 
 
+def test_sglang_beside_the_trainer_loads_from_disk_too():
+    """LoRA adapters reach SGLang by disk, so a one-GPU LoRA run puts the engine beside the trainer."""
+    shared_gpu = ["training.gpus_per_trainer=0.5", "rollout.gpus_per_engine=0.4", "placement.layout=colocated",
+                  "rollout.engine=sglang"]
+    assert build_config({}, [*shared_gpu, "rollout.weight_transport=disk"]).rollout.gpus_per_engine == 0.4
+    lora = build_config({}, [*shared_gpu, "training.lora.rank=8"])
+    assert lora.rollout.weight_transport.kind == "disk" and lora.rollout.engine.server_args["enable_lora"]
+
+
 def test_sglang_python_must_be_absolute():
     cfg = build_config({}, ["rollout.engine={kind: sglang, python: /opt/sglang/bin/python}", "rollout.gpus_per_engine=1"])
     assert cfg.rollout.engine.python == "/opt/sglang/bin/python"
