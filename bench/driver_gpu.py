@@ -102,7 +102,8 @@ def main() -> None:
         f"training.num_steps={args.steps}", f"training.micro_batch_size={args.micro_batch}",
         f"rollout.num_prompts_per_step={args.prompts}", f"rollout.num_samples_per_prompt={args.samples}",
         f"rollout.max_new_tokens={args.max_new_tokens}", f"checkpoint.interval_steps={args.steps}",
-        "rollout.request_timeout_seconds=900", *colocated_overrides(gpu, args.transport),
+        "rollout.request_timeout_seconds=900", f"model.source={model_dir}",  # the model's shape for miles plan
+        *colocated_overrides(gpu, args.transport),
         *sglang_overrides(args.engine, args.sglang_python, args.time_sharing),
         *(["placement.time_sharing=true"] if args.time_sharing else []), *args.overrides,
     ])
