@@ -151,6 +151,32 @@ def emulated_fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tenso
     return torch.nn.functional.linear(x, w, bias)
 
 
+def quantize_token_groups_fp8(x: torch.Tensor, group: int = BLOCK[1]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] -> (float8_e4m3fn [M, K], float32 dequantization multipliers [M, K / group]),
+    one per 1 x `group` slice of a row: how SGLang's block-FP8 linears quantize their input."""
+    rows, cols = x.shape
+    if cols % group:
+        raise ValueError(f"per-token FP8 groups of {group} need a multiple of {group} columns, got {cols}")
+    groups = x.float().view(rows, cols // group, group)
+    scale_inv = groups.abs().amax(-1).clamp(min=_MIN_SCALE) / FP8_MAX
+    q = (groups / scale_inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(rows, cols), scale_inv
+
+
+def scaled_mm_block_fp8(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T (+ bias) as one FP8 GEMM on Hopper: x quantized per token in 1x128 groups, W the
+    block-FP8 weight (128x128 scales). torch._scaled_mm's (BlockWise1x128, BlockWise128x128) form
+    takes the activation scales [M, K/128] outer-dim-major and the weight's as [K/128, N/128].
+    Needs in/out features that are multiples of 128 and a CUDA device of compute capability 9.0."""
+    lead = x.shape[:-1]
+    xq, x_scale_inv = quantize_token_groups_fp8(x.reshape(-1, x.shape[-1]))
+    out = torch._scaled_mm(xq, q.t(), x_scale_inv.t().contiguous().t(), scale_inv.t(), out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, q.shape[0])
+
+
 def weight_bytes(n_quantized: int, n_other: int, shapes: Iterable[tuple[int, int]] = (),
                  block: tuple[int, int] = BLOCK, other_bytes: int = 2) -> int:
     """Bytes of a model whose `n_quantized` linear elements are FP8 (1 B each, plus one float32

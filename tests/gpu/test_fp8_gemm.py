@@ -18,19 +18,16 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from miles_core.weight_sync.quantization import FP8_DTYPE, FP8_MAX, emulated_fp8_linear, quantize_block_fp8
+from miles_core.weight_sync.quantization import (
+    emulated_fp8_linear,
+    quantize_block_fp8,
+    quantize_token_groups_fp8,
+    scaled_mm_block_fp8,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or
                                                   torch.cuda.get_device_capability() < (9, 0), reason="needs Hopper")]
 SHAPES = [(256, 1024, 3072), (256, 3072, 1024), (64, 2560, 9728)]  # (tokens, in, out): 0.6B and 4B MLPs
-
-
-def quantize_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], dequantization multipliers [M, K / group]), one per 1x128 group."""
-    m, k = x.shape
-    groups = x.float().view(m, k // group, group)
-    scale = groups.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    return (groups / scale[..., None]).to(FP8_DTYPE).view(m, k), scale
 
 
 def reference(xq, xs, wq, ws) -> torch.Tensor:
@@ -42,6 +39,9 @@ def reference(xq, xs, wq, ws) -> torch.Tensor:
 def call_forms(xq, xs, wq, ws) -> dict:
     col_major = xs.t().contiguous().t()  # "outer-dim-major": the layout cuBLAS's block scales take
     forms = {
+        "scaled_mm_block_fp8 (the library's form)": lambda: scaled_mm_block_fp8(xq.float().view(xq.shape[0], -1, 128)
+                                                                             .mul(xs[..., None]).view(xq.shape)
+                                                                             .to(torch.bfloat16), wq, ws),
         "_scaled_mm(a_scale col-major [M,K/128], w_scale.t())":
             lambda: torch._scaled_mm(xq, wq.t(), col_major, ws.t(), out_dtype=torch.bfloat16),
         "_scaled_mm(a_scale row-major, w_scale.t())":
@@ -75,7 +75,7 @@ def test_a_block_fp8_gemm_matches_the_dequantized_reference():
         x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", generator=g) * 0.02
         wq, ws = quantize_block_fp8(w)
-        xq, xs = quantize_groups(x)
+        xq, xs = quantize_token_groups_fp8(x)
         ref = reference(xq, xs, wq, ws)
         w_bf16 = w.bfloat16()
         bf16_us = timed(lambda x=x, w=w_bf16: torch.nn.functional.linear(x, w))

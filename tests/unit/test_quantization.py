@@ -26,6 +26,7 @@ from miles_core.weight_sync.quantization import (
     quantize_block_fp8,
     quantize_channel_fp8,
     quantize_named_tensors,
+    quantize_token_groups_fp8,
 )
 
 
@@ -210,3 +211,19 @@ def test_fp8_rollout_engines_start_from_the_converted_copy(tmp_path):
     assert "quantization_config" in (tmp_path / "engine_fp8_model" / "config.json").read_text()
     with pytest.raises(ValueError, match="does not fit: q_proj rows per tp rank 96"):
         _engine_model_dir(cfg, str(build_tiny_model(TinyModelConfig(), tmp_path / "small")), tmp_path)
+
+
+def test_activations_quantize_per_token_in_groups_of_128():
+    """The activation side of a block-FP8 GEMM: each 1x128 slice of a row has its own scale, so
+    one large activation leaves the rest of its row (and other rows) at full FP8 resolution."""
+    x = torch.randn(3, 256)
+    x[0, 5] = 1000.0
+    q, scale_inv = quantize_token_groups_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == (3, 2)
+    expected = x.abs().view(3, 2, 128).amax(-1) / FP8_MAX
+    torch.testing.assert_close(scale_inv, expected)
+    back = q.float().view(3, 2, 128) * scale_inv[..., None]
+    torch.testing.assert_close(back.view(3, 256)[:, 128:], x[:, 128:], rtol=0.07, atol=1e-3)
+    torch.testing.assert_close(back.view(3, 256)[1:], x[1:], rtol=0.07, atol=1e-3)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_token_groups_fp8(torch.randn(2, 100))
