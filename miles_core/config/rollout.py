@@ -26,7 +26,7 @@ def variants(*models: type[Section]) -> Any:
     return Annotated[reduce(or_, models), Field(discriminator="kind"), BeforeValidator(_kind_alone)]
 
 
-class EmbeddedEngine(Section):
+class EmbeddedEngineConfig(Section):
     """Transformers generation behind SGLang's HTTP API (runs anywhere; the CPU default)."""
 
     kind: Literal["embedded"] = "embedded"
@@ -50,7 +50,7 @@ class EmbeddedEngine(Section):
     from the previous response; a slower one is disconnected."""
 
 
-class SGLangEngine(Section):
+class SGLangEngineConfig(Section):
     """SGLang servers launched by the engine actors (GPU clusters)."""
 
     kind: Literal["sglang"] = "sglang"
@@ -88,7 +88,7 @@ class SGLangEngine(Section):
         return self.server_module.startswith("sglang.")
 
 
-class AutoTransport(Section):
+class AutoTransportConfig(Section):
     """The fastest transport the placement allows, chosen when the recipe is loaded (`miles plan`
     prints the choice and why): shared_memory (embedded) or cuda_ipc (SGLang) when trainer and
     engines share one GPU, broadcast across GPUs (disk for SGLang engines with dp_size or
@@ -97,20 +97,20 @@ class AutoTransport(Section):
     kind: Literal["auto"] = "auto"
 
 
-class ObjectStoreTransport(Section):
+class ObjectStoreTransportConfig(Section):
     """Weights through Ray's object store (same node, zero copy): embedded engines only."""
 
     kind: Literal["object_store"] = "object_store"
 
 
-class SharedMemoryTransport(Section):
+class SharedMemoryTransportConfig(Section):
     """One weight buffer the trainer and the engines map: CUDA IPC on a GPU they share
     (placement.layout=colocated), /dev/shm on one CPU machine. Embedded engines only."""
 
     kind: Literal["shared_memory"] = "shared_memory"
 
 
-class BroadcastTransport(Section):
+class BroadcastTransportConfig(Section):
     """A torch.distributed broadcast from the trainer (gloo on CPU, NCCL on GPU), bucketed."""
 
     kind: Literal["broadcast"] = "broadcast"
@@ -118,7 +118,7 @@ class BroadcastTransport(Section):
     """Bucket size (one engine request per bucket)."""
 
 
-class CudaIpcTransport(Section):
+class CudaIpcTransportConfig(Section):
     """SGLang engines on the trainer's GPU (placement.layout=colocated): per bucket, the trainer
     hands each engine a CUDA IPC handle to its weights (`/update_weights_from_tensor`), so a sync
     is copies on the GPU and nothing crosses a network or a file. SGLang engines only."""
@@ -129,7 +129,7 @@ class CudaIpcTransport(Section):
     during a sync, and sends one engine request per bucket."""
 
 
-class DiskTransport(Section):
+class DiskTransportConfig(Section):
     """An HF safetensors directory on a disk trainer and engines share. With training.lora and
     SGLang engines (the one transport they then take): the adapter alone in PEFT's layout, which
     each engine loads by name (/load_lora_adapter as policy-v<version>)."""
@@ -137,19 +137,19 @@ class DiskTransport(Section):
     kind: Literal["disk"] = "disk"
 
 
-class SyncLoop(Section):
+class SyncLoopConfig(Section):
     """Generate, then train: always on-policy."""
 
     kind: Literal["sync"] = "sync"
 
 
-class OneStepOffLoop(Section):
+class OneStepOffLoopConfig(Section):
     """Generate step k+1 while step k trains (samples one version behind)."""
 
     kind: Literal["one_step_off"] = "one_step_off"
 
 
-class FullyAsyncLoop(Section):
+class FullyAsyncLoopConfig(Section):
     """A persistent producer with a bounded buffer."""
 
     kind: Literal["fully_async"] = "fully_async"
@@ -161,7 +161,7 @@ class FullyAsyncLoop(Section):
     """Batches the producer may generate ahead of the trainer."""
 
 
-class PartialRollouts(Section):
+class PartialRolloutsConfig(Section):
     """Partial rollouts (rollout.loop=fully_async): at a weight update the engines' running
     requests return what they have (pause_generation mode=abort), and the producer keeps those
     samples and continues them with the new weights (prompt + tokens so far re-prefilled) instead
@@ -177,10 +177,10 @@ class PartialRollouts(Section):
     weights is thrown away with its group (counted in rollout/partial_tokens_thrown_away)."""
 
 
-EngineConfig = variants(EmbeddedEngine, SGLangEngine)
-TransportConfig = variants(AutoTransport, ObjectStoreTransport, SharedMemoryTransport, BroadcastTransport, CudaIpcTransport,
-                           DiskTransport)
-LoopConfig = variants(SyncLoop, OneStepOffLoop, FullyAsyncLoop)
+EngineConfig = variants(EmbeddedEngineConfig, SGLangEngineConfig)
+TransportConfig = variants(AutoTransportConfig, ObjectStoreTransportConfig, SharedMemoryTransportConfig,
+                           BroadcastTransportConfig, CudaIpcTransportConfig, DiskTransportConfig)
+LoopConfig = variants(SyncLoopConfig, OneStepOffLoopConfig, FullyAsyncLoopConfig)
 
 
 def _plugin_path(value: str) -> str:
@@ -199,7 +199,7 @@ def _reward_url(value: str) -> str:
 PluginPath = Annotated[str, AfterValidator(_plugin_path)]
 
 
-class RemoteReward(Section):
+class RemoteRewardConfig(Section):
     """A reward model behind HTTP: each rollout batch is POSTed as JSON {"prompts", "responses",
     "labels", "metadata"} (one entry per sample) and must be answered {"rewards": [float, ...]}."""
 
@@ -218,7 +218,7 @@ class RemoteReward(Section):
 
 
 class RolloutConfig(Section):
-    engine: EngineConfig = EmbeddedEngine()
+    engine: EngineConfig = EmbeddedEngineConfig()
     """Rollout engine: `embedded` (transformers, runs anywhere) or `sglang` (GPU clusters)."""
     num_engines: int = Field(1, ge=1)
     """Engine replicas; each is a Ray actor."""
@@ -244,7 +244,7 @@ class RolloutConfig(Section):
     reward: str = "exact_match"
     """Reward function: a registered name (exact_match, math, math_boxed, dapo) or `module:function`
     taking (response_text, label) and returning a float."""
-    remote_reward: RemoteReward | None = None
+    remote_reward: RemoteRewardConfig | None = None
     """Score every batch with a reward model over HTTP instead of `reward`."""
     generate: PluginPath | None = None
     """Custom generation, `module:function` taking (ctx, prompt, sampling_params) and returning the
@@ -255,17 +255,17 @@ class RolloutConfig(Section):
     its group (group statistics stay intact) and trains on no token."""
     group_filter: PluginPath | None = None
     """`module:function` taking a group's scored Samples, False to drop the group before training."""
-    weight_transport: TransportConfig = AutoTransport()
+    weight_transport: TransportConfig = AutoTransportConfig()
     """How weights reach the engines after each step: `auto` (chosen from the placement),
     `object_store` (Ray's, same node), `shared_memory` (one buffer mapped by trainer and engines:
     same GPU or same machine), `cuda_ipc` (SGLang on the trainer's GPU), `broadcast`
     (torch.distributed from the trainer) or `disk` (a shared HF directory)."""
     verify_weight_sync: bool = False
     """After each sync, compare a sha256 of engine and trainer weights (slow on big models)."""
-    loop: LoopConfig = SyncLoop()
+    loop: LoopConfig = SyncLoopConfig()
     """Rollout schedule: `sync` (generate, then train), `one_step_off` (generate step k+1 while
     step k trains), `fully_async` (a persistent producer with a bounded buffer)."""
-    partial: PartialRollouts = PartialRollouts()
+    partial: PartialRolloutsConfig = PartialRolloutsConfig()
     """Partial rollouts: samples cut by a weight update are continued, not dropped (fully_async)."""
     bind_host: Literal["loopback", "node_ip"] = "loopback"
     """Engine HTTP servers bind to 127.0.0.1 (one-machine clusters) or the Ray node's IP."""

@@ -25,7 +25,7 @@ from typing import Any
 import ray
 
 from miles_core.config import RunConfig
-from miles_core.config.rollout import DiskTransport, ObjectStoreTransport
+from miles_core.config.rollout import DiskTransportConfig, ObjectStoreTransportConfig
 from miles_core.evaluation import core as evaluation
 from miles_core.evaluation.core import EngineGroupEval, eval_metrics
 from miles_core.metrics import PERIODIC_EVAL_SECONDS
@@ -54,7 +54,7 @@ class PeriodicEvaluator:
             self.dedicated = EngineGroup(eval_cfg, model_dir)
             # Not a broadcast: a second group to other engines would rebuild the rollout group's
             # communicator at every eval. SGLang takes no tensors in-process, so it loads from disk.
-            kind = DiskTransport() if cfg.rollout.engine.kind == "sglang" else ObjectStoreTransport()
+            kind = DiskTransportConfig() if cfg.rollout.engine.kind == "sglang" else ObjectStoreTransportConfig()
             self.transport = make_transport(kind, run_dir / "eval_weight_sync", cfg.rollout.verify_weight_sync,
                                             api_key=self.dedicated.api_key)
 

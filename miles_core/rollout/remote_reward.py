@@ -15,7 +15,7 @@ from typing import Any
 
 import requests
 
-from miles_core.config.rollout import RemoteReward
+from miles_core.config.rollout import RemoteRewardConfig
 from miles_core.errors import InfrastructureError
 from miles_core.types import Prompt, Sample
 
@@ -28,7 +28,7 @@ class RemoteRewardError(InfrastructureError):
 
 
 class RemoteRewardClient:
-    def __init__(self, cfg: RemoteReward):
+    def __init__(self, cfg: RemoteRewardConfig):
         self.cfg = cfg
         self.headers = {"Content-Type": "application/json"}
         if cfg.api_key_env:

@@ -49,7 +49,7 @@ class _Engines:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from miles_core.config.rollout import SGLangEngine
+    from miles_core.config.rollout import SGLangEngineConfig
     from miles_core.engines.sglang.client import SGLangClient
     from miles_core.rollout.engine_group import launch_engine
     from miles_core.rollout.router import Router
@@ -58,7 +58,7 @@ def served(tmp_path_factory):
     dirs = r3.build_moe_dirs(tmp_path_factory.mktemp("r3-sglang"), hidden_size=256, moe_intermediate_size=128)
     api_key = secrets.token_urlsafe(16)
     started = time.perf_counter()
-    launcher = launch_engine(SGLangEngine(server_args=SERVER_ARGS, python=SGLANG_PYTHON), str(dirs["moe"]),
+    launcher = launch_engine(SGLangEngineConfig(server_args=SERVER_ARGS, python=SGLANG_PYTHON), str(dirs["moe"]),
                              "127.0.0.1", "bfloat16", 4, 1.0, api_key)
     say(f"MoE server healthy in {time.perf_counter() - started:.1f} s")
     router = Router([SGLangClient(launcher.url, api_key=api_key, timeout_seconds=120)])

@@ -82,13 +82,13 @@ def merged_model(model_dir: Path, payload: dict[str, torch.Tensor]):
 
 
 def launch(model_dir: Path, server_args: dict):
-    from miles_core.config.rollout import SGLangEngine
+    from miles_core.config.rollout import SGLangEngineConfig
     from miles_core.engines.sglang.client import SGLangClient
     from miles_core.rollout.engine_group import launch_engine
 
     api_key = secrets.token_urlsafe(16)
     started = time.perf_counter()
-    launcher = launch_engine(SGLangEngine(server_args=server_args, python=SGLANG_PYTHON), str(model_dir),
+    launcher = launch_engine(SGLangEngineConfig(server_args=server_args, python=SGLANG_PYTHON), str(model_dir),
                              "127.0.0.1", "bfloat16", 4, 1.0, api_key)
     say(f"healthy in {time.perf_counter() - started:.1f} s ({sorted(set(server_args) - set(SERVER_ARGS))})")
     return launcher, SGLangClient(launcher.url, api_key=api_key, timeout_seconds=300)

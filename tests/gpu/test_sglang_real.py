@@ -110,10 +110,10 @@ def models(work) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def engine(models, work):
     """One server for the module, started as an engine actor starts it (launch_engine)."""
-    from miles_core.config.rollout import SGLangEngine
+    from miles_core.config.rollout import SGLangEngineConfig
     from miles_core.rollout.engine_group import launch_engine
 
-    cfg = SGLangEngine(server_args=SERVER_ARGS, python=SGLANG_PYTHON)
+    cfg = SGLangEngineConfig(server_args=SERVER_ARGS, python=SGLANG_PYTHON)
     api_key = secrets.token_urlsafe(16)
     started = time.perf_counter()
     launcher = launch_engine(cfg, str(models["v0"]), "127.0.0.1", "bfloat16", 4, 1.0, api_key)
@@ -282,7 +282,7 @@ def test_release_and_resume_memory_around_an_update(engine, models):
 def test_sigkilled_server_frees_the_gpu_and_restarts(engine, models):
     """An engine killed hard (OOM killer, lost actor) leaves no process holding GPU memory, and a
     new one starts in its place."""
-    from miles_core.config.rollout import SGLangEngine
+    from miles_core.config.rollout import SGLangEngineConfig
     from miles_core.rollout.engine_group import launch_engine
 
     launcher = engine["launcher"]
@@ -299,7 +299,7 @@ def test_sigkilled_server_frees_the_gpu_and_restarts(engine, models):
     say(f"stop() after SIGKILL freed {freed:.1f} GiB")
     assert freed > 10  # the KV cache alone is 30% of the GPU
     started = time.perf_counter()
-    engine["launcher"] = launch_engine(SGLangEngine(server_args=SERVER_ARGS, python=SGLANG_PYTHON), str(models["v0"]),
+    engine["launcher"] = launch_engine(SGLangEngineConfig(server_args=SERVER_ARGS, python=SGLANG_PYTHON), str(models["v0"]),
                                        "127.0.0.1", "bfloat16", 4, 1.0, engine["api_key"])
     say(f"restarted in {time.perf_counter() - started:.1f} s")
     assert client_of(engine).weight_version() == "0"

@@ -55,10 +55,10 @@ def test_warmup_stops_at_the_first_check_that_meets_the_target(ray_local, warm_t
 def test_an_sglang_recipe_probes_on_an_embedded_engine(ray_local, warm_tiny, tmp_path):
     """The probe runs in the warm-up's own process whatever rollout.engine is (an SGLang recipe's
     warm-up once failed reading embedded-only memory bounds from the SGLang engine's config)."""
-    from miles_core.config.rollout import SGLangEngine
+    from miles_core.config.rollout import SGLangEngineConfig
 
     cfg = overridden(warm_tiny["cfg"], target_pass_at_1=0.05, check_interval_steps=2, sft_steps=50, lr=1e-6)
-    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": SGLangEngine()})})
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": SGLangEngineConfig()})})
     prompts, tokenizer = prompts_of(warm_tiny)
     result = run_sft_warmup(cfg, str(warm_tiny["warm"]), prompts, tokenizer, tmp_path / "out")
     assert result.steps == 2 and result.reached_target
