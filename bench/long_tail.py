@@ -14,8 +14,9 @@ For each seed, the three modes run back to back on one local Ray session (modes 
 seeds), trainer and engine one CPU and one torch thread each, every mode with
 algorithm.correction.kind=tis so that only the loop differs:
 - sync: generate, then train;
-- fully_async: the producer runs ahead (max_weight_staleness 1, buffer 1, stale batches dropped);
-  a weight update waits for the producer's running batch, long tail included;
+- fully_async: the producer runs ahead (buffer 1, batches more than --max-weight-staleness
+  versions behind dropped); a weight update waits for the producer's running batch, long tail
+  included;
 - partial: fully_async + rollout.partial: the update aborts the running requests and the cut
   samples continue with the new weights.
 
@@ -74,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=1.2, help="Pareto shape of the lengths (smaller: heavier tail)")
     p.add_argument("--min-len", type=int, default=4, help="Pareto scale: the shortest budget")
     p.add_argument("--max-len", type=int, default=128, help="budgets are clipped here (also rollout.max_new_tokens)")
+    p.add_argument("--max-weight-staleness", type=int, default=1,
+                   help="rollout.loop.max_weight_staleness of both async modes (1: the shipped default)")
     p.add_argument("--sft-steps", default="250,250",
                    help="in-process SFT warm-up, comma list of rounds, each continuing from the last (cached)")
     p.add_argument("--work-dir", default="/tmp/miles-bench")
@@ -129,7 +132,8 @@ def run_mode(args, mode: str, seed: int, start_dir: Path, workload: Path, work: 
 
     cfg = c.local_config([f"seed={seed}", f"training.num_steps={args.steps}", f"rollout.max_new_tokens={args.max_len}",
                           f"rollout.num_prompts_per_step={args.prompts}", f"rollout.num_samples_per_prompt={args.samples}",
-                          *COMMON, *MODES[mode]])
+                          *COMMON, *MODES[mode],
+                          *([f"rollout.loop.max_weight_staleness={args.max_weight_staleness}"] if mode != "sync" else [])])
     spec = TrainSpec(config=cfg, model_dir=str(start_dir), train_path=str(workload),
                      run_dir=str(work / f"run-{mode}-{seed}-{time.time_ns()}"))
     started = time.perf_counter()
@@ -147,7 +151,7 @@ def run_mode(args, mode: str, seed: int, start_dir: Path, workload: Path, work: 
 
 
 def summarize(history: list[dict], args) -> dict:
-    from miles_core.metrics import REWARD_MEAN, STEP_SECONDS, TOKENS_WASTED
+    from miles_core.metrics import ASYNC_DROPPED_TOKENS, PARTIAL_TOKENS_THROWN_AWAY, REWARD_MEAN, STEP_SECONDS, TOKENS_WASTED
 
     timed = history[args.skip:]
     batch = args.prompts * args.samples
@@ -163,11 +167,16 @@ def summarize(history: list[dict], args) -> dict:
             "rollout_wait_seconds_mean": statistics.fmean(h["time/rollout_wait_seconds"] for h in timed),
             "train_seconds_mean": statistics.fmean(h["time/train_seconds"] for h in timed),
             "tokens_trained": trained, "tokens_wasted": history[-1][TOKENS_WASTED],
+            # where the waste comes from: stale batches the schedule dropped, or partial groups thrown away
+            "tokens_wasted_stale_batches": history[-1].get(ASYNC_DROPPED_TOKENS, 0.0),
+            "tokens_wasted_partial_groups": history[-1].get(PARTIAL_TOKENS_THROWN_AWAY, 0.0),
             "tokens_by_versions_behind": dict(sorted(behind.items(), key=lambda kv: int(kv[0]))),
             "mixed_version_sample_frac_mean": statistics.fmean(h["rollout/mixed_version_sample_frac"] for h in history),
             "staleness_mean": statistics.fmean(h.get("async/staleness", 0.0) for h in history),
             "dropped_batches": history[-1].get("async/dropped_batches", 0.0),
             "reward_curve": [h[REWARD_MEAN] for h in history],
+            "reward_first5_mean": statistics.fmean(h[REWARD_MEAN] for h in history[:5]),
+            "reward_last5_mean": statistics.fmean(h[REWARD_MEAN] for h in history[-5:]),
             "response_len_mean": statistics.fmean(h["rollout/response_len_mean"] for h in history)}
 
 
