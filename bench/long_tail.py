@@ -72,9 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip", type=int, default=3, help="first steps left out of the step-time mean")
     p.add_argument("--prompts", type=int, default=16, help="rollout.num_prompts_per_step")
     p.add_argument("--samples", type=int, default=4, help="rollout.num_samples_per_prompt")
-    p.add_argument("--alpha", type=float, default=1.2, help="Pareto shape of the lengths (smaller: heavier tail)")
+    p.add_argument("--alpha", type=float, default=1.0, help="Pareto shape of the lengths (smaller: heavier tail)")
     p.add_argument("--min-len", type=int, default=4, help="Pareto scale: the shortest budget")
-    p.add_argument("--max-len", type=int, default=128, help="budgets are clipped here (also rollout.max_new_tokens)")
+    p.add_argument("--max-len", type=int, default=192, help="budgets are clipped here (also rollout.max_new_tokens)")
     p.add_argument("--max-weight-staleness", type=int, default=1,
                    help="rollout.loop.max_weight_staleness of both async modes (1: the shipped default)")
     p.add_argument("--sft-steps", default="250,250",
@@ -166,6 +166,10 @@ def summarize(history: list[dict], args) -> dict:
             "loop_seconds": sum(h[STEP_SECONDS] for h in history),
             "rollout_wait_seconds_mean": statistics.fmean(h["time/rollout_wait_seconds"] for h in timed),
             "train_seconds_mean": statistics.fmean(h["time/train_seconds"] for h in timed),
+            # the rest of a step is the weight update: waiting for the engines (fully_async: the
+            # producer's running batch, long tail included), the push, the health check
+            "update_seconds_mean": statistics.fmean(h[STEP_SECONDS] - h["time/rollout_wait_seconds"]
+                                                    - h["time/train_seconds"] for h in timed),
             "tokens_trained": trained, "tokens_wasted": history[-1][TOKENS_WASTED],
             # where the waste comes from: stale batches the schedule dropped, or partial groups thrown away
             "tokens_wasted_stale_batches": history[-1].get(ASYNC_DROPPED_TOKENS, 0.0),
