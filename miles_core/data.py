@@ -143,7 +143,11 @@ def read_prompts(path: str | Path, data: DataConfig, tokenizer) -> list[Prompt]:
             skipped_long += 1
             continue
         extra = {k: v for k, v in row.items() if k not in (data.prompt_key, data.label_key)}
-        prompts.append(Prompt(len(prompts), messages, label, ids, extra))
+        budget = row.get(data.max_new_tokens_key) if data.max_new_tokens_key else None
+        try:
+            prompts.append(Prompt(len(prompts), messages, label, ids, extra, max_new_tokens=budget))
+        except ValueError as exc:
+            raise ValueError(f"{path}:{line_no}: row key {data.max_new_tokens_key!r}: {exc}") from None
     if not prompts:
         raise ValueError(f"{path}: no usable prompts ({skipped_long} longer than data.max_prompt_tokens)")
     return prompts

@@ -16,6 +16,13 @@ class Prompt:
     label: str
     input_ids: list[int] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    max_new_tokens: int | None = None
+    """This prompt's own generation budget, overriding rollout.max_new_tokens (None: the
+    recipe's). Read from the row key data.max_new_tokens_key; every sample of the prompt, and
+    every continuation of a partial one, generates within it."""
+
+    def __post_init__(self) -> None:
+        check_max_new_tokens(self.max_new_tokens, f"prompt {self.index}")
 
 
 @dataclass
@@ -46,6 +53,21 @@ class Sample:
     [len(prompt_ids) + len(response_ids) - 1, num_layers, top_k] (SGLang's layout; its flat
     buffer arrives as [..., num_layers * top_k] and the trainer, which knows the model,
     reshapes). None when the engine was not asked for them."""
+    max_new_tokens: int | None = None
+    """Its prompt's own budget (Prompt.max_new_tokens), kept so that a partial sample continued
+    after a weight update stops where the uncut one would have. None: rollout.max_new_tokens."""
+
+    def __post_init__(self) -> None:
+        check_max_new_tokens(self.max_new_tokens, f"sample of prompt {self.prompt_index}")
+
+
+def check_max_new_tokens(value: Any, where: str) -> None:
+    """A per-prompt budget is None or an int >= 1 (a bool or a float from a JSON row is refused:
+    silently truncating 12.7 or taking True as 1 would hide a broken dataset)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return
+    raise ValueError(f"{where}: max_new_tokens must be an integer >= 1 or absent, got {value!r}; fix the "
+                     "dataset's per-prompt budget (data.max_new_tokens_key) or drop it to use rollout.max_new_tokens")
 
 
 def version_number(version: str | int) -> int:

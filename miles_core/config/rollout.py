@@ -228,6 +228,10 @@ class RolloutConfig(Section):
     """Group size n: responses sampled per prompt (GRPO needs n >= 2)."""
     max_new_tokens: int = Field(8, ge=1)
     """Generation budget per response."""
+    ignore_eos: bool = False
+    """Generate every response to its full budget, past EOS (SGLang's ignore_eos): with per-prompt
+    budgets (data.max_new_tokens_key) this scripts response lengths, as the long-tail bench does
+    with a tiny model whose answers are all short. The reward then sees the text after EOS too."""
     precision: Literal["bf16", "fp8"] = "bf16"
     """Weights the engines generate with: `bf16` (the trainer's weights as they are) or `fp8`
     (each decoder layer's linear projections sent as float8_e4m3fn with one scale per 128x128

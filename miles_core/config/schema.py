@@ -126,6 +126,10 @@ class DataConfig(Section):
     """Render chat-message prompts with the tokenizer's chat template."""
     max_prompt_tokens: int = Field(1024, ge=1)
     """Prompts longer than this are skipped when the dataset is read (and counted)."""
+    max_new_tokens_key: str | None = None
+    """Row key of a prompt's own generation budget (an integer >= 1) overriding
+    rollout.max_new_tokens for its samples; rows without the key use the recipe's. None: ignore
+    any such key. Benches use it to script a long tail of response lengths."""
 
 
 class WarmupConfig(Section):

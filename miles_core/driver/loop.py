@@ -22,7 +22,15 @@ from miles_core.config import RunConfig
 from miles_core.data import PromptSource, sft_samples
 from miles_core.driver.schedules import SCHEDULES, RolloutBatch, timed
 from miles_core.driver.time_sharing import time_sharing
-from miles_core.metrics import REWARD_MEAN, STEP_SECONDS, TRAIN_LOSS, TRAIN_SECONDS
+from miles_core.metrics import (
+    ASYNC_DROPPED_TOKENS,
+    PARTIAL_TOKENS_THROWN_AWAY,
+    REWARD_MEAN,
+    STEP_SECONDS,
+    TOKENS_WASTED,
+    TRAIN_LOSS,
+    TRAIN_SECONDS,
+)
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.partial import version_metrics
 from miles_core.rollout.partial_pool import PartialPool
@@ -111,6 +119,12 @@ def throughput(batch: RolloutBatch, train_seconds: float) -> dict[str, float]:
     trained = generated + sum(len(s.prompt_ids) for s in batch.samples)
     return {"rollout/tokens_per_second": generated / max(batch.seconds, 1e-9),
             "train/tokens_per_second": trained / max(train_seconds, 1e-9)}
+
+
+def tokens_wasted(metrics: dict[str, float]) -> dict[str, float]:
+    """TOKENS_WASTED from a batch's metrics: stale batches the fully async loop dropped plus partial
+    groups thrown away (each absent, so 0, where the schedule never wastes any)."""
+    return {TOKENS_WASTED: metrics.get(ASYNC_DROPPED_TOKENS, 0.0) + metrics.get(PARTIAL_TOKENS_THROWN_AWAY, 0.0)}
 
 
 def make_producer(run: TrainingRun, manager: RolloutManager):
@@ -236,7 +250,7 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
                 if evaluator.due(state.step):  # rollout engines are held: rollout pauses
                     evaluator.run(state.step, state.weight_version, engines)
                 cursor, partial = producer_state(run, schedule, pool) if checkpoint_due else (None, None)
-            metrics |= throughput(batch, metrics[TRAIN_SECONDS])
+            metrics |= throughput(batch, metrics[TRAIN_SECONDS]) | tokens_wasted(metrics)
             metrics |= {"time/rollout_seconds": batch.seconds, "time/rollout_wait_seconds": waited,
                         STEP_SECONDS: time.perf_counter() - started,
                         "rollout/weight_version": float(batch.version)}

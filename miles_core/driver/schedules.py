@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from miles_core.config import RunConfig
+from miles_core.metrics import ASYNC_DROPPED_TOKENS
 from miles_core.types import Sample
 
 
@@ -92,7 +93,7 @@ class FullyAsyncSchedule:
         self.engine_version, self.produced = 0, 0
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
-        self.dropped = 0
+        self.dropped, self.dropped_tokens = 0, 0
         self.engines = engines if r.partial.enabled else None
         self.update_waiting = threading.Event()
         """Set while hold_engines waits for the engines: the producer starts no round meanwhile."""
@@ -158,17 +159,20 @@ class FullyAsyncSchedule:
                 raise item
             staleness = version - item.version
             if staleness <= self.max_staleness:
-                item.metrics |= {"async/staleness": float(staleness), "async/dropped_batches": float(self.dropped)}
-                return item
+                return self._counted(item, version)
             self.dropped += 1
+            self.dropped_tokens += sum(len(s.response_ids) for s in item.samples)
             if self.policy == "retry":  # regenerate now, with the current weights
                 fresh = None
                 while fresh is None:  # rollout.partial: rounds until a batch is complete
                     with self.engine_lock:
                         fresh = self.produce(step, self.engine_version)
-                fresh.metrics |= {"async/staleness": float(version - fresh.version),
-                                  "async/dropped_batches": float(self.dropped)}
-                return fresh
+                return self._counted(fresh, version)
+
+    def _counted(self, batch: RolloutBatch, version: int) -> RolloutBatch:
+        batch.metrics |= {"async/staleness": float(version - batch.version), "async/dropped_batches": float(self.dropped),
+                          ASYNC_DROPPED_TOKENS: float(self.dropped_tokens)}
+        return batch
 
     @contextmanager
     def hold_engines(self):

@@ -40,11 +40,14 @@ class RolloutManager:
         self.request_extra = {"return_routed_experts": True} if return_routed_experts else {}
         self.pool = ThreadPoolExecutor(max_workers=max(2, 2 * rollout.num_engines), thread_name_prefix="rollout")
 
-    def sampling_params(self, seeds: list[int]) -> list[dict[str, Any]]:
+    def sampling_params(self, seeds: list[int], max_new_tokens: int | None = None) -> list[dict[str, Any]]:
         """One set per sample: SGLang samples each request with its own sampling_seed, so one
-        seed shared by a group's n samples would make them n copies of one sample."""
+        seed shared by a group's n samples would make them n copies of one sample.
+        max_new_tokens: a prompt's own budget (Prompt.max_new_tokens); None: rollout.max_new_tokens."""
         shared = {"temperature": self.rollout.temperature, "top_p": self.rollout.top_p,
-                  "max_new_tokens": self.rollout.max_new_tokens}
+                  "max_new_tokens": max_new_tokens or self.rollout.max_new_tokens}
+        if self.rollout.ignore_eos:  # only sent when set: SGLang's default, and fewer keys to compare
+            shared["ignore_eos"] = True
         return [shared | {"sampling_seed": seed} for seed in seeds]
 
     def _seeds(self, position: int, seed: int) -> list[int]:
@@ -75,20 +78,18 @@ class RolloutManager:
         a fresh seed, so its continuation does not replay the noise of its first segment. Returns
         the samples (updated in place), the finished ones scored again."""
         todo = [s for s in samples if is_partial(s)]
-        by_budget: dict[int, list[tuple[int, Sample]]] = {}
+        by_budget: dict[int, list[tuple[Sample, dict[str, Any]]]] = {}
         for k, sample in enumerate(todo):
-            params = continuation_params(self.sampling_params([0])[0], sample)
+            seed_k = (seed * SEED_STRIDE + k) % SEED_MODULUS  # one per sample, as in generate
+            params = continuation_params(self.sampling_params([seed_k], sample.max_new_tokens)[0], sample)
             if params["max_new_tokens"] <= 0:
                 sample.finish_reason = "length"
             else:
-                by_budget.setdefault(params["max_new_tokens"], []).append((k, sample))
-        futures = []
-        for pairs in by_budget.values():
-            group = [s for _, s in pairs]
-            seeds = [(seed * SEED_STRIDE + k) % SEED_MODULUS for k, _ in pairs]  # one per sample, as in generate
-            params = [continuation_params(p, s) for p, s in zip(self.sampling_params(seeds), group)]
-            futures.append((group, self.pool.submit(self.engines.generate, [continuation_input(s) for s in group],
-                                                    params)))
+                by_budget.setdefault(params["max_new_tokens"], []).append((sample, params))
+        futures = [([s for s, _ in pairs], self.pool.submit(self.engines.generate,
+                                                            [continuation_input(s) for s, _ in pairs],
+                                                            [p for _, p in pairs]))
+                   for pairs in by_budget.values()]
         for group, future in futures:
             for sample, out in zip(group, future.result()):
                 append_segment(sample, out)
@@ -104,26 +105,30 @@ class RolloutManager:
         return [bool(self.group_filter(g)) if self.group_filter else True for g in groups]
 
     def _generate_default(self, prompts: list[Prompt], seed: int) -> list[Sample]:
+        """One request per engine shard, split further by per-prompt budget: an engine call takes
+        one max_new_tokens (the embedded engine refuses params that differ in more than the seed)."""
         n = self.rollout.num_samples_per_prompt
         num_shards = max(1, min(len(prompts), self.engines.num_healthy))
-        positions = [list(range(len(prompts)))[i::num_shards] for i in range(num_shards)]
-        futures = [self.pool.submit(self.engines.generate, [prompts[p].input_ids for p in shard for _ in range(n)],
-                                    self.sampling_params([s for p in shard for s in self._seeds(p, seed)]),
-                                    **self.request_extra)
-                   for shard in positions]
-        shards = [[prompts[p] for p in shard] for shard in positions]
+        requests = []
+        for i in range(num_shards):
+            for positions in _by_budget(list(range(len(prompts)))[i::num_shards], prompts):
+                params = [q for p in positions
+                          for q in self.sampling_params(self._seeds(p, seed), prompts[p].max_new_tokens)]
+                ids = [prompts[p].input_ids for p in positions for _ in range(n)]
+                requests.append((positions, self.pool.submit(self.engines.generate, ids, params, **self.request_extra)))
         by_position: dict[int, list[Sample]] = {}
-        for i, (shard, future) in enumerate(zip(shards, futures)):
-            outputs = future.result()
-            for j, out in enumerate(outputs):
-                by_position.setdefault(i + (j // n) * num_shards, []).append(self._sample(shard[j // n], out))
+        for positions, future in requests:
+            for j, out in enumerate(future.result()):
+                position = positions[j // n]
+                by_position.setdefault(position, []).append(self._sample(prompts[position], out))
         return [s for position in range(len(prompts)) for s in by_position[position]]
 
     def _generate_custom(self, prompts: list[Prompt], seed: int) -> list[Sample]:
         """rollout.generate once per prompt, all concurrently (their engine calls merged)."""
         if self.tokenizer is None:
             raise ValueError("rollout.generate needs the run's tokenizer: pass tokenizer= to RolloutManager")
-        params = [self.sampling_params(self._seeds(position, seed)) for position in range(len(prompts))]
+        params = [self.sampling_params(self._seeds(position, seed), prompt.max_new_tokens)
+                  for position, prompt in enumerate(prompts)]
         groups = run_generate_fn(self.custom_generate, self.engines, prompts, params, self.tokenizer, self.pool,
                                  self.request_extra)
         n = self.rollout.num_samples_per_prompt
@@ -163,7 +168,7 @@ class RolloutManager:
                       label=prompt.label, response_text=out["text"], rollout_logprobs=logprobs,
                       weight_version=str(meta["weight_version"]), finish_reason=meta["finish_reason"]["type"],
                       token_weight_versions=[version_number(meta["weight_version"])] * len(ids),
-                      routed_experts=self._routed_experts(prompt, out))
+                      routed_experts=self._routed_experts(prompt, out), max_new_tokens=prompt.max_new_tokens)
 
     def _routed_experts(self, prompt: Prompt, out: dict[str, Any]) -> np.ndarray | None:
         if not self.request_extra:
@@ -172,6 +177,14 @@ class RolloutManager:
         if value is None:  # e.g. an aborted request; the trainer refuses to replay such a sample
             return None
         return decode_routed_experts(value, len(prompt.input_ids) + len(out["output_ids"]) - 1)
+
+
+def _by_budget(positions: list[int], prompts: list[Prompt]) -> list[list[int]]:
+    """positions split by their prompt's budget (first-seen order; one list when none has its own)."""
+    groups: dict[int | None, list[int]] = {}
+    for p in positions:
+        groups.setdefault(prompts[p].max_new_tokens, []).append(p)
+    return list(groups.values())
 
 
 def decode_routed_experts(value: Any, num_positions: int) -> np.ndarray:

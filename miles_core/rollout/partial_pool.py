@@ -11,6 +11,7 @@ The pool's state (groups and counters) goes into checkpoints: see miles_core.rol
 from __future__ import annotations
 
 from miles_core.driver.schedules import RolloutBatch
+from miles_core.metrics import PARTIAL_TOKENS_THROWN_AWAY
 from miles_core.rollout.manager import RolloutManager
 from miles_core.rollout.partial import is_partial, version_metrics
 from miles_core.rollout.partial_state import PartialStateError, PoolRecord, pool_record, record_sample
@@ -58,7 +59,7 @@ class PartialPool:
         """Per batch: tokens per weight version and mixed-version share (version_metrics), and
         what staleness threw away so far."""
         return version_metrics(samples) | {
-            "rollout/partial_tokens_thrown_away": float(self.tokens_thrown_away),
+            PARTIAL_TOKENS_THROWN_AWAY: float(self.tokens_thrown_away),
             "rollout/partial_groups_thrown_away": float(self.groups_thrown_away),
             "rollout/partial_pending_groups": float(len(self.pending))}
 

@@ -52,6 +52,9 @@ class SampleRecord(BaseModel):
     token_weight_versions: list[int]
     finish_reason: str
     filtered: bool
+    max_new_tokens: int | None = Field(None, ge=1)
+    """The prompt's own budget (Prompt.max_new_tokens): a restored cut sample stops where it would
+    have. Absent in files written before per-prompt budgets: the recipe's."""
 
     @model_validator(mode="after")
     def _per_token_lists_match(self) -> SampleRecord:

@@ -5,6 +5,7 @@ import pytest
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
 from miles_core.driver.session import TrainSpec, run_training
+from miles_core.metrics import ASYNC_DROPPED_TOKENS, PARTIAL_TOKENS_THROWN_AWAY, TOKENS_WASTED
 
 NUM_STEPS = 6
 
@@ -37,6 +38,7 @@ def test_fully_async_respects_the_staleness_bound(ray_local, tmp_path, tiny_mode
     assert sum(s == 1 for s in staleness) >= NUM_STEPS // 2, staleness
     assert versions == sorted(versions)  # never trains on an older batch after a newer one
     assert all(h["rollout/weight_version"] == h["step"] - 1 - s for h, s in zip(result.history, staleness))
+    assert all(h[TOKENS_WASTED] == h[ASYNC_DROPPED_TOKENS] for h in result.history)  # dropped batches' tokens
 
 
 def test_async_without_correction_is_rejected():
@@ -52,7 +54,7 @@ def test_fully_async_with_partial_rollouts_trains_every_step(ray_local, tmp_path
         assert 0.0 <= h["rollout/mixed_version_sample_frac"] <= 1.0
         assert h["train/mixed_version_sample_frac"] == h["rollout/mixed_version_sample_frac"]
         assert sum(v for k, v in h.items() if k.startswith("rollout/tokens_behind_")) > 0
-        assert "rollout/partial_tokens_thrown_away" in h
+        assert h[TOKENS_WASTED] == h[PARTIAL_TOKENS_THROWN_AWAY] + h[ASYNC_DROPPED_TOKENS]
     print("mixed-version share, response length per step:",
           [(h["rollout/mixed_version_sample_frac"], h["rollout/response_len_mean"]) for h in result.history])
 
