@@ -74,7 +74,7 @@ class _Probe:
         self.engine.update_weights_from_tensors(weights, f"warmup-{step}")
         e = self.cfg.eval
         return evaluate_greedy(self.engine, self.prompts, self.cfg.rollout.reward, e.max_new_tokens,
-                               e.batch_size)["pass@1"]
+                               e.batch_size).pass_at_1
 
 
 def run_sft_warmup(cfg: RunConfig, model_dir: str, prompts: list[Prompt], tokenizer, out_dir: str | Path,
