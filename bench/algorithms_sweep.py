@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def accuracy(model_dir, prompts) -> float:
-    return evaluate_greedy(EmbeddedEngine(str(model_dir), num_threads=2), prompts, "exact_match", 6, 256)["pass@1"]
+    return evaluate_greedy(EmbeddedEngine(str(model_dir), num_threads=2), prompts, "exact_match", 6, 256).pass_at_1
 
 
 def main() -> None:

@@ -61,7 +61,7 @@ def stages(cfg, work: Path) -> dict:
     warmed = warm_up(cfg, model, data)
     warm_seconds = time.perf_counter() - started
     c.log(f"seed {cfg.seed}: warm-up {warmed.sft_steps} steps, probe {warmed.probe_pass_at_1} in {warm_seconds:.0f} s")
-    before = evaluate_on_engines(cfg, warmed.model_dir, data.eval_path)[HELDOUT]["pass@1"]
+    before = evaluate_on_engines(cfg, warmed.model_dir, data.eval_path)[HELDOUT].pass_at_1
     c.log(f"seed {cfg.seed}: held-out pass@1 before RL {before:.3f}")
     stamps: dict[int, float] = {}
     rl_started = time.perf_counter()
@@ -76,7 +76,7 @@ def stages(cfg, work: Path) -> dict:
                      run_dir=str(work / f"run-{time.strftime('%Y%m%d-%H%M%S')}"), eval_path=data.eval_path)
     result = run_training(spec, on_step=stepped)
     rl_seconds = time.perf_counter() - rl_started
-    after = evaluate_on_engines(cfg, result.hf_export_dir, data.eval_path)[HELDOUT]["pass@1"]
+    after = evaluate_on_engines(cfg, result.hf_export_dir, data.eval_path)[HELDOUT].pass_at_1
     ray.shutdown()
     curve = [{"step": 0, "rl_seconds": 0.0, "train_seconds": 0.0, "pass@1": before}]
     eval_seconds = 0.0

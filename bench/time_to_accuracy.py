@@ -180,7 +180,7 @@ class HeldOut:
             done = self.engine.update_weights_from_tensors(state, str(version))
             assert done["success"], done
         result = evaluate_all(self.cfg, None, self.eval_path, engine=self.engine)[HELDOUT]
-        return result["pass@1"], time.perf_counter() - started, result["num_prompts"]
+        return result.pass_at_1, time.perf_counter() - started, result.num_prompts
 
 
 def run_clock(run: dict):

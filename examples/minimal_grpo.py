@@ -65,7 +65,7 @@ def sft_warmup(cfg: RunConfig, model_dir: Path, prompts, engine: EmbeddedEngine,
         if step % w.check_interval_steps == 0 or step == w.sft_steps:
             push_weights(trainer, engine, f"sft-{step}")
             score = evaluate_greedy(engine, probe, cfg.rollout.reward, cfg.eval.max_new_tokens,
-                                    cfg.eval.batch_size)["pass@1"]
+                                    cfg.eval.batch_size).pass_at_1
     print(f"SFT warm-up: {step} steps, loss {loss:.3f}, probe pass@1 {score:.3f}", flush=True)
     trainer.export_hf(out_dir)  # an HF directory: what the RL trainer loads
     trainer.close()
@@ -74,7 +74,7 @@ def sft_warmup(cfg: RunConfig, model_dir: Path, prompts, engine: EmbeddedEngine,
 
 def heldout_pass_at_1(cfg: RunConfig, engine: EmbeddedEngine, eval_path: Path) -> float:
     """Greedy pass@1 on the held-out problems, through the engine that generates rollouts."""
-    return evaluate_all(cfg, None, eval_path, engine=engine)[HELDOUT]["pass@1"]
+    return evaluate_all(cfg, None, eval_path, engine=engine)[HELDOUT].pass_at_1
 
 
 def main(argv: list[str] | None = None) -> None:

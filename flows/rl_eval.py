@@ -17,6 +17,7 @@ from prefect.runtime import flow_run
 
 from miles_core.config import Override, RunConfig, load_config
 from miles_core.evaluation import reports
+from miles_core.metrics import AFTER
 from miles_core.storage import artifacts
 from miles_core.tracking import runs as tracking
 from tasks.artifacts import prepare_data
@@ -42,14 +43,15 @@ def rl_eval(checkpoint_uri: str, config_path: str = "configs/local.yaml",
         model_dir = fetch_model(checkpoint_uri, cfg, str(work))
         ensure_ray(cfg.placement.ray_address, cfg.placement.num_cpus, cfg.storage.work_dir)
         results = evaluate(cfg, model_dir, prepare_data(cfg).eval_path, "eval")
-        reports.log_eval_metrics(uri, run_id, "after", results, step=0)
+        reports.log_eval_metrics(uri, run_id, AFTER, results, step=0)
         reports.log_report(uri, run_id, None, results, [])
-        tracking.client_for(uri).log_dict(run_id, results, "eval/results.json")
+        written = {name: result.to_json() for name, result in results.items()}  # the files' schema
+        tracking.client_for(uri).log_dict(run_id, written, "eval/results.json")
     except BaseException:
         tracking.finish(uri, run_id, "FAILED")
         raise
     tracking.finish(uri, run_id, "FINISHED")
-    summary = {"checkpoint_uri": checkpoint_uri, "model_dir": model_dir, "results": results,
+    summary = {"checkpoint_uri": checkpoint_uri, "model_dir": model_dir, "results": written,
                "mlflow": {"tracking_uri": uri, "run_id": run_id}}
     work.mkdir(parents=True, exist_ok=True)
     (work / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

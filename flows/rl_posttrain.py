@@ -15,12 +15,13 @@ from miles_core.config import Override, RunConfig, load_config
 from miles_core.driver import ray_jobs
 from miles_core.driver.session import TrainSpec
 from miles_core.evaluation import reports
-from miles_core.metrics import REWARD_MEAN
+from miles_core.metrics import AFTER, BEFORE, HELDOUT, REWARD_MEAN
 from miles_core.preflight import preflight
 from miles_core.storage import checkpoint as ckpt
 from miles_core.storage import object_store as storage
 from miles_core.storage.artifacts import ModelArtifact
 from miles_core.summary import STAGES, SUMMARY_FILE, HeldOutScores, MlflowRef, RunSummary, WarmupRecord
+from miles_core.tracking import registry
 from miles_core.tracking import runs as tracking
 from tasks.artifacts import convert_checkpoint, prepare_data, prepare_model, prepare_teacher, sft_warmup
 from tasks.cluster import ensure_ray
@@ -141,9 +142,9 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Overri
     with timer("convert"):
         converted = convert_checkpoint(cfg, policy)
     with timer("eval_before"):
-        before = evaluate(cfg, policy.model_dir, data.eval_path, "before")
-    tracking.log_eval(uri, mlflow_run, "before", before["heldout"], step=0)
-    reports.log_eval_metrics(uri, mlflow_run, "before", before, step=0)
+        before = evaluate(cfg, policy.model_dir, data.eval_path, BEFORE)
+    tracking.log_eval_file(uri, mlflow_run, BEFORE, before[HELDOUT])
+    reports.log_eval_metrics(uri, mlflow_run, BEFORE, before, step=0)
     spec = TrainSpec(config=cfg, model_dir=converted.model_dir, megatron_dir=converted.megatron_dir,
                      teacher_dir=teacher and teacher.model_dir, train_path=data.train_path, eval_path=data.eval_path,
                      run_dir=str(run_path), store_uri=cfg.storage.store_uri(), run_key=run_key,
@@ -154,9 +155,9 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Overri
         uploaded = upload_artifacts(cfg.storage.store_uri(), run_key, result.final_checkpoint_dir,
                                     result.hf_export_dir, cfg.checkpoint)
     with timer("eval_after"):
-        after = evaluate(cfg, result.hf_export_dir, data.eval_path, "after")
-    tracking.log_eval(uri, mlflow_run, "after", after["heldout"], step=result.steps)
-    reports.log_eval_metrics(uri, mlflow_run, "after", after, step=result.steps)
+        after = evaluate(cfg, result.hf_export_dir, data.eval_path, AFTER)
+    tracking.log_eval_file(uri, mlflow_run, AFTER, after[HELDOUT])
+    after_metrics = reports.log_eval_metrics(uri, mlflow_run, AFTER, after, step=result.steps)
     # From MLflow, not result.history: after a resume the driver saw only its own steps.
     reward_curve = [round(value, 4) for _, value in tracking.metric_history(uri, mlflow_run, REWARD_MEAN)]
     periodic = reports.periodic_points_of_run(uri, mlflow_run)
@@ -164,16 +165,16 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Overri
     with timer("register"):
         version = register_model(uri, mlflow_run, cfg.tracking.registered_model_name, result.hf_export_dir,
                                  {"run_key": run_key, "checkpoint_uri": uploaded.checkpoint_uri,
-                                  "eval_pass_at_1": str(after["heldout"]["pass@1"]),
+                                  **registry.score_tag(after_metrics),
                                   "eval_report_uri": tracking.artifact_uri(uri, mlflow_run, reports.REPORT_ARTIFACT),
                                   "train_data": data.train_path, "eval_data": data.eval_path}, step=result.steps)
     with timer("promote"):
         promotion = _promote(cfg, uri, str(version))
     summary = RunSummary(
         run_key=run_key, status="completed", run_dir=str(run_path),
-        eval=HeldOutScores(before=before["heldout"]["pass@1"], after=after["heldout"]["pass@1"],
-                           num_prompts=after["heldout"].get("num_prompts")),
-        eval_details={"before": reports.summary_metrics(before), "after": reports.summary_metrics(after)},
+        eval=HeldOutScores(before=before[HELDOUT].pass_at_1, after=after[HELDOUT].pass_at_1,
+                           num_prompts=after[HELDOUT].num_prompts),
+        eval_details={BEFORE: reports.summary_metrics(before), AFTER: reports.summary_metrics(after)},
         warmup=WarmupRecord(sft_steps=warmed.sft_steps, probe_pass_at_1=warmed.probe_pass_at_1,
                             reached_target=warmed.reached_target),
         teacher_dir=teacher and teacher.model_dir, promotion=promotion,

@@ -1,10 +1,12 @@
 """The data a run passes between its parts: a tokenised prompt (`Prompt`), a generated response
-(`Sample`) and the weight versions its tokens came from."""
+(`Sample`), the weight versions its tokens came from, and one dataset's evaluation (`EvalResult`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
 @dataclass
@@ -86,3 +88,72 @@ def token_versions(sample: Sample) -> list[int]:
 def is_mixed_version(sample: Sample) -> bool:
     """True when the sample's response tokens come from more than one weight version."""
     return len(set(token_versions(sample))) > 1
+
+
+_COUNT_KEYS = {"num_prompts": "num_prompts", "num_samples": "num_samples_per_prompt"}
+"""JSON key -> EvalResult field of the counts (the JSON names are the files' schema)."""
+
+
+class EvalResult(BaseModel):
+    """One dataset's evaluation: what evaluation produces and reports, flows, the registry tag
+    and MLflow logging consume. Its JSON form (`to_json`, read back by `from_json`) is the schema
+    eval files and summary.json have always had: {"pass@1": .., "pass@k": .., "avg@n": ..,
+    "num_prompts": .., "num_samples": .., "examples": [..]}, plus an external command's keys."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pass_at_k: dict[int, float]
+    """Fraction of prompts (0 to 1) with a correct response (reward > 0) among k of the n samples,
+    by k (the unbiased estimator; only k <= n). Always holds k=1."""
+    mean_reward_at_n: dict[int, float] = Field(default_factory=dict)
+    """avg@n: mean reward (the reward function's units) over all n samples of every prompt, by n.
+    Equals pass@1 for 0/1 rewards, not for +-1 rewards like dapo's."""
+    num_prompts: int | None = None
+    """Prompts scored (None where the evaluator did not say, e.g. an external command)."""
+    num_samples_per_prompt: int | None = None
+    """n: responses sampled per prompt (None where the evaluator did not say)."""
+    examples: list[dict[str, Any]] = Field(default_factory=list)
+    """A few scored rows: {prompt, label, responses, rewards}, or {prompt, label, response,
+    correct} from the greedy evaluator."""
+    other_metrics: dict[str, float] = Field(default_factory=dict)
+    """Numeric "pass@..."/"avg@..." keys of an external command whose suffix is not a count
+    (e.g. "pass@1_strict"): reported and logged like the others, sorted after them."""
+    other: dict[str, Any] = Field(default_factory=dict)
+    """Anything else an external command wrote: kept in the JSON, never logged as metrics."""
+
+    @property
+    def pass_at_1(self) -> float:
+        """Fraction of prompts (0 to 1) answered correctly by one sample: the score gates compare."""
+        return self.pass_at_k[1]
+
+    def metrics(self) -> dict[str, float]:
+        """{"pass@k": .., "avg@n": ..}: the metric names reports and MLflow keys are built from."""
+        return ({f"pass@{k}": v for k, v in sorted(self.pass_at_k.items())}
+                | {f"avg@{n}": v for n, v in sorted(self.mean_reward_at_n.items())} | self.other_metrics)
+
+    def to_json(self, examples: bool = True) -> dict[str, Any]:
+        """The file schema; examples=False for summaries (counts and metrics only)."""
+        counts = {key: getattr(self, name) for key, name in _COUNT_KEYS.items() if getattr(self, name) is not None}
+        return self.metrics() | counts | self.other | ({"examples": self.examples} if examples else {})
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EvalResult:
+        """Parse the file schema (what evaluators and external commands write); needs a numeric pass@1."""
+        pass_at_k, avg_at_n, other_metrics, counts, other = {}, {}, {}, {}, {}
+        for key, value in data.items():
+            kind, _, k = key.partition("@")
+            if kind in ("pass", "avg") and _is_number(value):
+                table = other_metrics if not k.isdigit() else pass_at_k if kind == "pass" else avg_at_n
+                table[int(k) if k.isdigit() else key] = float(value)
+            elif key in _COUNT_KEYS and isinstance(value, int) and not isinstance(value, bool):
+                counts[_COUNT_KEYS[key]] = value
+            elif key != "examples":
+                other[key] = value
+        if 1 not in pass_at_k:
+            raise ValueError(f"an eval result needs a numeric 'pass@1'; got {str(data)[:200]!r}")
+        return cls(pass_at_k=pass_at_k, mean_reward_at_n=avg_at_n, other_metrics=other_metrics,
+                   examples=list(data.get("examples", [])), other=other, **counts)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -13,7 +13,8 @@ import ray
 
 from miles_core.config import AlgorithmConfig, RunConfig
 from miles_core.data import sft_samples
-from miles_core.training.fsdp import FSDPTrainer
+from miles_core.driver.run import start_trainer
+from miles_core.driver.trainer_group import kill_trainer
 from miles_core.types import Prompt
 
 log = logging.getLogger(__name__)
@@ -74,21 +75,29 @@ class _Probe:
         self.engine.update_weights_from_tensors(weights, f"warmup-{step}")
         e = self.cfg.eval
         return evaluate_greedy(self.engine, self.prompts, self.cfg.rollout.reward, e.max_new_tokens,
-                               e.batch_size)["pass@1"]
+                               e.batch_size).pass_at_1
+
+
+def warmup_config(cfg: RunConfig) -> RunConfig:
+    """The recipe as the warm-up trains it: the run's backend and parallel layout, SFT at
+    warmup.lr from the first step."""
+    # Every weight trains (training.lora is the RL stage's): the warm-up builds the base the
+    # adapters then adapt, starting from random weights for the built-in model.
+    training = cfg.training.model_copy(update={"lr": cfg.warmup.lr, "lr_warmup_steps": 0, "lora": None})
+    # SFT fits the labels with unscaled logits, whatever temperature rollout samples at; and it
+    # needs no critic, reference or teacher, whatever the RL objective after it.
+    rollout = cfg.rollout.model_copy(update={"temperature": 1.0})
+    return cfg.model_copy(update={"training": training, "rollout": rollout, "algorithm": AlgorithmConfig(name="sft")})
 
 
 def run_sft_warmup(cfg: RunConfig, model_dir: str, prompts: list[Prompt], tokenizer, out_dir: str | Path,
                    on_step: ProgressFn | None = None) -> WarmupResult:
     """Train up to cfg.warmup.sft_steps supervised steps from model_dir in a trainer actor
-    (stopping early at warmup.target_pass_at_1); save the result as an HF directory."""
+    (stopping early at warmup.target_pass_at_1), built as the run builds its trainer
+    (training.backend); save the result as an HF directory."""
     w = cfg.warmup
     train_prompts, probe_prompts = split_probe(cfg, prompts)
-    # The warm-up trains every weight (training.lora is the RL stage's): it builds the base the
-    # adapters then adapt, starting from random weights for the built-in model.
-    training = cfg.training.model_copy(update={"lr": w.lr, "lr_warmup_steps": 0, "lora": None})
-    actor_cls = ray.remote(num_cpus=cfg.training.cpus_per_trainer, num_gpus=cfg.training.gpus_per_trainer)(FSDPTrainer)
-    # SFT needs no critic, reference or teacher, whatever the RL objective after it
-    trainer = actor_cls.remote(model_dir, training, AlgorithmConfig(name="sft"), seed=cfg.seed)
+    trainer = start_trainer(warmup_config(cfg), model_dir)
     probe = _Probe(cfg, model_dir, probe_prompts) if probe_prompts else None
     score, steps = None, 0
     try:
@@ -106,7 +115,7 @@ def run_sft_warmup(cfg: RunConfig, model_dir: str, prompts: list[Prompt], tokeni
                 break
         ray.get(trainer.export_hf.remote(str(out_dir)))
     finally:
-        ray.kill(trainer)
+        kill_trainer(trainer)
     reached = None if probe is None or score is None else score >= w.target_pass_at_1
     if reached is False:
         log.warning("SFT warm-up ended at its step limit (%d) with probe pass@1 %.3f, below warmup.target_pass_at_1="

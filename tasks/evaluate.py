@@ -16,6 +16,6 @@ def evaluate(cfg: RunConfig, model_dir: str, eval_path: str, phase: str) -> Eval
     runs on rollout engines in the Ray cluster (ensure-ray ran before)."""
     results = evaluate_on_engines(cfg, model_dir, eval_path)
     for name, result in results.items():
-        get_run_logger().info("eval %s %s: pass@1 %.3f on %s prompts", phase, name, result["pass@1"],
-                              result.get("num_prompts", "?"))
+        prompts = "?" if result.num_prompts is None else result.num_prompts
+        get_run_logger().info("eval %s %s: pass@1 %.3f on %s prompts", phase, name, result.pass_at_1, prompts)
     return results

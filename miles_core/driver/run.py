@@ -94,9 +94,17 @@ def _megatron_trainer() -> type:
 TRAINER_BACKENDS: dict[str, Callable[[], type]] = {"fsdp2": _fsdp_trainer, "megatron": _megatron_trainer}
 
 
-def start_trainer(cfg: RunConfig, layout: Placement, model_dir: str, teacher_dir: str | None,
-                  megatron_dir: str | None) -> Any:
-    """The trainer: one actor, or (world_size > 1) a TrainerGroup of rank actors behind one handle."""
+def _anywhere(rank: int) -> dict[str, Any]:
+    return {}
+
+
+def start_trainer(cfg: RunConfig, model_dir: str, teacher_dir: str | None = None, megatron_dir: str | None = None,
+                  scheduling: Callable[[int], dict[str, Any]] = _anywhere) -> Any:
+    """The trainer of training.backend, built with cfg.training and cfg.algorithm: one actor, or
+    (world_size > 1) a TrainerGroup of rank actors behind one handle. scheduling(rank): the Ray
+    options placing a rank (a Placement's bundle); by default Ray places it (the SFT warm-up,
+    which reserves no placement group). megatron_dir: a converted checkpoint to start from (else
+    Megatron loads model_dir's HF weights)."""
     t = cfg.training
     trainer_type = TRAINER_BACKENDS[t.backend]()
     backend_kwargs = {"megatron_ckpt": megatron_dir} if t.backend == "megatron" else {}
@@ -104,8 +112,8 @@ def start_trainer(cfg: RunConfig, layout: Placement, model_dir: str, teacher_dir
             cfg.rollout.num_samples_per_prompt, teacher_dir)
     if t.world_size == 1:
         actor = ray.remote(num_cpus=t.cpus_per_trainer, num_gpus=t.gpus_per_trainer)(trainer_type)
-        return actor.options(**layout.trainer(0)).remote(*args, **backend_kwargs)
-    return start_trainer_group(trainer_type, t.world_size, layout.trainer, bundles(cfg)[0], args, backend_kwargs)
+        return actor.options(**scheduling(0)).remote(*args, **backend_kwargs)
+    return start_trainer_group(trainer_type, t.world_size, scheduling, bundles(cfg)[0], args, backend_kwargs)
 
 
 def _adapters_only(cfg: RunConfig) -> bool:
@@ -142,7 +150,7 @@ class TrainingRun:
         layout = Placement(cfg)
         trainer = engines = None
         try:
-            trainer = start_trainer(cfg, layout, model_dir, teacher_dir, megatron_dir)
+            trainer = start_trainer(cfg, model_dir, teacher_dir, megatron_dir, scheduling=layout.trainer)
             engines = EngineGroup(cfg, _engine_model_dir(cfg, model_dir, run_dir), scheduling=layout.engine)
             ray.get(trainer.__ray_ready__.remote())
             transport = make_transport(cfg.rollout.weight_transport, run_dir / "weight_sync",

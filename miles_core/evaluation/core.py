@@ -21,16 +21,16 @@ from typing import Any
 
 from miles_core.config import RunConfig
 from miles_core.data import read_prompts
+from miles_core.metrics import HELDOUT, eval_metric_name
 from miles_core.plugins import load_plugin
 from miles_core.rewards import get_reward
 from miles_core.rollout.context import run_generate_fn
 from miles_core.rollout.router import generate_in_shards
-from miles_core.types import Prompt
+from miles_core.types import EvalResult, Prompt
 
 MAX_EXAMPLES = 8
-HELDOUT = "heldout"
-EvalResults = dict[str, dict[str, Any]]
-"""{dataset name: {"pass@1": ..., "pass@k": ..., "num_prompts": ..., "samples": [...]}}."""
+EvalResults = dict[str, EvalResult]
+"""{dataset name: its EvalResult}; the held-out set is HELDOUT."""
 
 
 class ExternalEvalError(RuntimeError):
@@ -96,7 +96,7 @@ def _generate_all(engine, prompts: list[Prompt], params: dict, num_samples: int,
 def evaluate_dataset(engine, prompts: list[Prompt], reward: str, *, num_samples: int = 1,
                      temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int,
                      batch_size: int, pass_k: Sequence[int] = (1,), seed: int | None = None,
-                     generate_fn: Callable | None = None) -> dict[str, Any]:
+                     generate_fn: Callable | None = None) -> EvalResult:
     """pass@1, pass@k (each requested k <= n), avg@n and a few examples of one dataset.
 
     A response is correct when its reward is > 0. avg@n is the mean reward over all n
@@ -116,24 +116,23 @@ def evaluate_dataset(engine, prompts: list[Prompt], reward: str, *, num_samples:
                  else _generate_episodes(generate_fn, engine, prompts, params, num_samples, seed))
     rewards = [[float(score(text, p.label)) for text in texts] for p, texts in zip(prompts, responses)]
     correct = [sum(r > 0 for r in row) for row in rewards]
-    result: dict[str, Any] = {}
-    for k in sorted({1, *pass_k}):
-        if k <= num_samples:
-            result[f"pass@{k}"] = sum(pass_at_k(num_samples, c, k) for c in correct) / len(prompts)
-    result[f"avg@{num_samples}"] = sum(map(sum, rewards)) / (len(prompts) * num_samples)
-    result["num_prompts"], result["num_samples"] = len(prompts), num_samples
-    result["examples"] = [{"prompt": p.messages, "label": p.label, "responses": texts, "rewards": row}
-                          for p, texts, row in list(zip(prompts, responses, rewards))[:MAX_EXAMPLES]]
-    return result
+    return EvalResult(
+        pass_at_k={k: sum(pass_at_k(num_samples, c, k) for c in correct) / len(prompts)
+                   for k in sorted({1, *pass_k}) if k <= num_samples},
+        mean_reward_at_n={num_samples: sum(map(sum, rewards)) / (len(prompts) * num_samples)},
+        num_prompts=len(prompts), num_samples_per_prompt=num_samples,
+        examples=[{"prompt": p.messages, "label": p.label, "responses": texts, "rewards": row}
+                  for p, texts, row in list(zip(prompts, responses, rewards))[:MAX_EXAMPLES]])
 
 
 def evaluate_greedy(engine, prompts: list[Prompt], reward: str, max_new_tokens: int,
-                    batch_size: int) -> dict[str, Any]:
-    """pass@1 of greedy decoding: the fraction of prompts whose response scores > 0."""
+                    batch_size: int) -> EvalResult:
+    """pass@1 of greedy decoding: the fraction of prompts whose response scores > 0 (no avg@n,
+    one response per example row)."""
     result = evaluate_dataset(engine, prompts, reward, max_new_tokens=max_new_tokens, batch_size=batch_size)
     examples = [{"prompt": e["prompt"], "response": e["responses"][0], "label": e["label"],
-                 "correct": e["rewards"][0] > 0} for e in result["examples"]]
-    return {"pass@1": result["pass@1"], "num_prompts": result["num_prompts"], "examples": examples}
+                 "correct": e["rewards"][0] > 0} for e in result.examples]
+    return EvalResult(pass_at_k={1: result.pass_at_1}, num_prompts=result.num_prompts, examples=examples)
 
 
 def evaluate_all(cfg: RunConfig, model_dir: str | Path | None, default_eval_path: str | Path,
@@ -222,7 +221,7 @@ def _tail(text: str | bytes | None, chars: int = 2000) -> str:
 
 
 def run_external_eval(command: str, model_dir: str, output_json_path: str,
-                      timeout_seconds: float) -> dict[str, Any]:
+                      timeout_seconds: float) -> EvalResult:
     """Run `command` (placeholders {model_dir}, {output_json}) and read the metrics it writes.
 
     The command is split with shlex and run without a shell, and placeholders are replaced
@@ -247,36 +246,22 @@ def run_external_eval(command: str, model_dir: str, output_json_path: str,
     except (OSError, json.JSONDecodeError) as exc:
         raise ExternalEvalError(f"external eval {args[0]!r} succeeded but {output_json_path} is missing or not "
                                 f"JSON ({exc}); stderr tail:\n{_tail(proc.stderr)}") from None
-    if not isinstance(metrics, dict) or not isinstance(metrics.get("pass@1"), (int, float)):
+    try:
+        return EvalResult.from_json(metrics)
+    except (AttributeError, ValueError):  # not an object, or no numeric pass@1
         raise ExternalEvalError(f"external eval wrote {str(metrics)[:200]!r}; "
-                                "expected an object with a numeric 'pass@1'")
-    metrics["pass@1"] = float(metrics["pass@1"])
-    metrics.setdefault("examples", [])
-    return metrics
+                                "expected an object with a numeric 'pass@1'") from None
 
 
 # ---- metric names (MLflow keys) --------------------------------------------------------------
-METRIC_PREFIXES = ("pass@", "avg@")
-Results = dict[str, dict[str, Any]]
-
-
-def by_dataset(results: dict[str, Any] | None) -> Results:
+def by_dataset(results: EvalResults | EvalResult | None) -> EvalResults:
     """Accept {name: result} or one bare result (e.g. evaluate_greedy's) as the held-out set."""
     if not results:
         return {}
-    return {HELDOUT: results} if "pass@1" in results else dict(results)
+    return {HELDOUT: results} if isinstance(results, EvalResult) else dict(results)
 
 
-def result_metrics(result: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in result.items()
-            if k.startswith(METRIC_PREFIXES) and isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def metric_key(phase: str, dataset: str, metric: str) -> str:
-    """MLflow metric names cannot contain '@': eval/<phase>/<dataset>/pass_at_k."""
-    return f"eval/{phase}/{dataset}/{metric.replace('@', '_at_')}"
-
-
-def eval_metrics(phase: str, results: dict | None) -> dict[str, float]:
+def eval_metrics(phase: str, results: EvalResults | EvalResult | None) -> dict[str, float]:
     """{eval/<phase>/<dataset>/pass_at_k: value} for every pass@k / avg@n of every dataset."""
-    return {metric_key(phase, name, m): v for name, r in by_dataset(results).items() for m, v in result_metrics(r).items()}
+    return {eval_metric_name(phase, name, m): v for name, r in by_dataset(results).items()
+            for m, v in r.metrics().items()}

@@ -28,12 +28,12 @@ from miles_core.config import RunConfig
 from miles_core.config.rollout import DiskTransportConfig, ObjectStoreTransportConfig
 from miles_core.evaluation import core as evaluation
 from miles_core.evaluation.core import EngineGroupEval, eval_metrics
-from miles_core.metrics import PERIODIC_EVAL_SECONDS
+from miles_core.metrics import PERIODIC, PERIODIC_EVAL_SECONDS
 from miles_core.rollout.engine_group import EngineGroup
 from miles_core.weight_sync.transports import make_transport
 
 log = logging.getLogger(__name__)
-PHASE = "periodic"
+PHASE = PERIODIC
 
 
 class PeriodicEvaluator:

@@ -11,8 +11,13 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from miles_core.evaluation.core import HELDOUT, by_dataset, eval_metrics, result_metrics
+from miles_core.evaluation.core import EvalResults, by_dataset, eval_metrics
+from miles_core.metrics import HELDOUT, PERIODIC, split_eval_metric_name, with_deprecated_aliases
 from miles_core.tracking.runs import client_for, metric_history
+from miles_core.types import EvalResult
+
+Results = EvalResults | EvalResult | None
+"""{dataset: result}, one bare result (the held-out set's), or None (not evaluated)."""
 
 REPORT_ARTIFACT = "eval/report.json"
 MAX_SAMPLES_PER_DATASET = 8
@@ -23,22 +28,23 @@ def _metric_order(metric: str) -> tuple:
     return (kind != "pass", kind, int(k) if k.isdigit() else float("inf"), metric)
 
 
-def summary_metrics(results: dict | None) -> dict[str, dict[str, Any]]:
+def summary_metrics(results: Results) -> dict[str, dict[str, Any]]:
     """{dataset: metrics and counts} without the examples: what a run summary keeps."""
-    return {name: {k: v for k, v in r.items() if k != "examples"} for name, r in by_dataset(results).items()}
+    return {name: r.to_json(examples=False) for name, r in by_dataset(results).items()}
 
 
-def eval_report(before: dict | None, after: dict | None) -> dict[str, Any]:
+def eval_report(before: Results, after: Results) -> dict[str, Any]:
     """Rows (dataset, metric, before, after, delta); a side that was not evaluated is None."""
     before, after = by_dataset(before), by_dataset(after)
     rows = []
     for name in sorted(set(before) | set(after), key=lambda n: (n != HELDOUT, n)):
-        old, new = result_metrics(before.get(name, {})), result_metrics(after.get(name, {}))
+        old = before[name].metrics() if name in before else {}
+        new = after[name].metrics() if name in after else {}
         for metric in sorted(set(old) | set(new), key=_metric_order):
             b, a = old.get(metric), new.get(metric)
             delta = None if a is None or b is None else a - b
             rows.append({"dataset": name, "metric": metric, "before": b, "after": a, "delta": delta})
-    sizes = {name: (after.get(name) or before.get(name) or {}).get("num_prompts") for name in set(before) | set(after)}
+    sizes = {name: (after.get(name) or before[name]).num_prompts for name in set(before) | set(after)}
     return {"rows": rows, "num_prompts": sizes}
 
 
@@ -61,7 +67,7 @@ def reward_curve_figure(rewards: list[float]) -> Figure:
     return fig
 
 
-def eval_figure(before: dict | None, after: dict | None, periodic: dict[str, list] | None = None,
+def eval_figure(before: Results, after: Results, periodic: dict[str, list] | None = None,
                 final_step: int | None = None) -> Figure:
     """pass@1 per dataset: before (step 0), periodic [(step, pass@1)] points, after (final_step)."""
     before, after, periodic = by_dataset(before), by_dataset(after), periodic or {}
@@ -69,9 +75,9 @@ def eval_figure(before: dict | None, after: dict | None, periodic: dict[str, lis
     ax = fig.subplots()
     last = final_step or max([1, *(int(s) for pts in periodic.values() for s, _ in pts)])
     for name in sorted(set(before) | set(after) | set(periodic)):
-        points = [(0, before[name]["pass@1"])] if name in before else []
+        points = [(0, before[name].pass_at_1)] if name in before else []
         points += [(int(s), float(v)) for s, v in periodic.get(name, [])]
-        points += [(last, after[name]["pass@1"])] if name in after else []
+        points += [(last, after[name].pass_at_1)] if name in after else []
         xs, ys = zip(*sorted(points)) if points else ((), ())
         ax.plot(xs, ys, marker="o", label=name)
     ax.set(xlabel="RL step", ylabel="pass@1", title="Evaluation", ylim=(-0.02, 1.02))
@@ -81,11 +87,11 @@ def eval_figure(before: dict | None, after: dict | None, periodic: dict[str, lis
     return fig
 
 
-def sample_rollouts(results: dict | None, per_dataset: int = MAX_SAMPLES_PER_DATASET) -> list[dict[str, Any]]:
+def sample_rollouts(results: Results, per_dataset: int = MAX_SAMPLES_PER_DATASET) -> list[dict[str, Any]]:
     """One row per (prompt, response) from each dataset's examples."""
     rows = []
     for name, result in by_dataset(results).items():
-        for ex in result.get("examples", [])[:per_dataset]:
+        for ex in result.examples[:per_dataset]:
             # evaluate_dataset rows hold lists; evaluate_greedy rows a single response
             responses = ex.get("responses", [ex.get("response")])
             rewards = ex.get("rewards", [float(ex["correct"])] if "correct" in ex else [None])
@@ -95,25 +101,28 @@ def sample_rollouts(results: dict | None, per_dataset: int = MAX_SAMPLES_PER_DAT
     return rows
 
 
-def periodic_points_of_run(tracking_uri: str, run_id: str, phase: str = "periodic") -> dict[str, list[tuple[int, float]]]:
+def periodic_points_of_run(tracking_uri: str, run_id: str, phase: str = PERIODIC) -> dict[str, list[tuple[int, float]]]:
     """{dataset: [(step, pass@1)]} of the run's periodic evaluations, from MLflow (which keeps
     the steps before a resume)."""
-    prefix, suffix = f"eval/{phase}/", "/pass_at_1"
-    keys = sorted(k for k in client_for(tracking_uri).get_run(run_id).data.metrics
-                  if k.startswith(prefix) and k.endswith(suffix))
-    return {key[len(prefix):-len(suffix)]: metric_history(tracking_uri, run_id, key) for key in keys}
+    points = {}
+    for key in sorted(client_for(tracking_uri).get_run(run_id).data.metrics):
+        parts = split_eval_metric_name(key)
+        if parts is not None and parts[0] == phase and parts[2] == "pass@1":
+            points[parts[1]] = metric_history(tracking_uri, run_id, key)
+    return points
 
 
-def log_eval_metrics(tracking_uri: str, run_id: str, phase: str, results: dict | None, step: int) -> dict[str, float]:
-    """Every pass@k / avg@n of every dataset as an MLflow metric at `step`; returns them."""
+def log_eval_metrics(tracking_uri: str, run_id: str, phase: str, results: Results, step: int) -> dict[str, float]:
+    """Every pass@k / avg@n of every dataset as an MLflow metric at `step`, and the deprecated
+    aliases of those names (miles_core.metrics.DEPRECATED_EVAL_ALIASES); returns the canonical ones."""
     metrics = eval_metrics(phase, results)
     client = client_for(tracking_uri)
-    for key, value in metrics.items():
+    for key, value in with_deprecated_aliases(metrics).items():
         client.log_metric(run_id, key, value, step=step)
     return metrics
 
 
-def log_report(tracking_uri: str, run_id: str, before: dict | None, after: dict | None,
+def log_report(tracking_uri: str, run_id: str, before: Results, after: Results,
                reward_curve: list[float], periodic: dict[str, list] | None = None,
                final_step: int | None = None) -> dict[str, Any]:
     """Log eval/report.{json,md}, eval/samples.json, plots/{reward_curve,eval}.png to the run."""

@@ -105,8 +105,11 @@ def prepare_data(cfg: RunConfig) -> Dataset:
 
 
 def warmup_identity(cfg: RunConfig, model: ModelArtifact) -> str:
+    # The warm-up trains on training.backend, so a Megatron recipe must not reuse an FSDP2
+    # warm-up; FSDP2's key leaves the backend out, so warm-ups cached before it counted stay valid.
+    backend = () if cfg.training.backend == "fsdp2" else (cfg.training.backend,)
     return "warmup-" + digest(ARTIFACT_VERSION, model.identity, cfg.warmup.model_dump(),
-                              cfg.data.model_dump(mode="json"), cfg.seed, cfg.training.micro_batch_size)
+                              cfg.data.model_dump(mode="json"), cfg.seed, cfg.training.micro_batch_size, *backend)
 
 
 def warm_up(cfg: RunConfig, model: ModelArtifact, data: Dataset) -> WarmupArtifact:

@@ -14,10 +14,20 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
+from miles_core.metrics import AFTER_HELDOUT_PASS_AT_1
 from miles_core.tracking.runs import client_for
 
 SCORE_TAG = "eval_pass_at_1"
+"""The model version tag the gate compares (a registry tag, not a metric: its name is unchanged)."""
+SCORE_METRIC = AFTER_HELDOUT_PASS_AT_1
+"""The run metric the score tag copies: the canonical name, never a deprecated alias."""
 CHAMPION = "champion"
+
+
+def score_tag(after_metrics: dict[str, float]) -> dict[str, str]:
+    """{SCORE_TAG: score} for a new model version, from the metrics log_eval_metrics logged after
+    training (a KeyError names SCORE_METRIC when the held-out set was not evaluated)."""
+    return {SCORE_TAG: str(after_metrics[SCORE_METRIC])}
 
 
 @dataclass

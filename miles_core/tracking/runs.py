@@ -16,6 +16,7 @@ from miles_core.config import RunConfig
 from miles_core.metrics import STEP_SECONDS
 from miles_core.storage.checkpoint import check_run_key, step_dir_name
 from miles_core.tracking.redaction import redact, redact_text
+from miles_core.types import EvalResult
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric
@@ -219,10 +220,10 @@ def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted(latest.items())
 
 
-def log_eval(uri: str, run_id: str, phase: str, result: dict[str, Any], step: int) -> None:
-    client = client_for(uri)
-    client.log_metric(run_id, f"eval/{phase}_pass_at_1", result["pass@1"], step=step)
-    client.log_dict(run_id, result, f"eval/{phase}.json")
+def log_eval_file(uri: str, run_id: str, phase: str, result: EvalResult) -> None:
+    """The held-out result of a phase, examples included, as the run artifact eval/<phase>.json
+    (its metrics go to MLflow through miles_core.evaluation.reports.log_eval_metrics)."""
+    client_for(uri).log_dict(run_id, result.to_json(), f"eval/{phase}.json")
 
 
 def register_model(uri: str, run_id: str, name: str, hf_export_dir: str, tags: dict[str, str], *,

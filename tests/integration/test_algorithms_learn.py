@@ -51,7 +51,7 @@ def warm(warm_tiny, tmp_path_factory):
 
 
 def accuracy(model_dir, prompts) -> float:
-    return evaluate_greedy(EmbeddedEngine(str(model_dir), num_threads=2), prompts, "exact_match", 6, 256)["pass@1"]
+    return evaluate_greedy(EmbeddedEngine(str(model_dir), num_threads=2), prompts, "exact_match", 6, 256).pass_at_1
 
 
 def run(warm, name, overrides, model_dir, steps=RL_STEPS, run_name=None, recipe="configs/local.yaml"):

@@ -43,4 +43,4 @@ def test_column_addition_recipe_warms_up_on_worked_solutions_and_trains(ray_loca
     first = result.history[0]
     assert first["rollout/response_len_mean"] > 25  # worked answers, not a bare number
     assert -1.0 <= first["rollout/reward_mean"] <= 1.0  # DAPO's +1/-1
-    assert 0.0 <= evaluate_all(cfg, result.hf_export_dir, data.eval_path)[HELDOUT]["pass@1"] <= 1.0
+    assert 0.0 <= evaluate_all(cfg, result.hf_export_dir, data.eval_path)[HELDOUT].pass_at_1 <= 1.0

@@ -23,10 +23,11 @@ def test_engine_side_eval_scores_like_the_in_process_engine(ray_local, warm_tiny
     assert ray.available_resources().get("CPU", 0) == 2
     # greedy decoding is deterministic: the same responses, hence the same score
     heldout = in_process["heldout"]
-    assert heldout["pass@1"] > 0.1  # a model that scores, so equal scores mean something
-    assert on_engines["heldout"]["pass@1"] == heldout["pass@1"]
-    assert [e["responses"] for e in on_engines["heldout"]["examples"]] == [e["responses"] for e in heldout["examples"]]
+    assert heldout.pass_at_1 > 0.1  # a model that scores, so equal scores mean something
+    assert on_engines["heldout"].pass_at_1 == heldout.pass_at_1
+    assert [e["responses"] for e in on_engines["heldout"].examples] == [e["responses"] for e in heldout.examples]
     # sampled: equal within the noise of 200 prompts (std of each estimate about 0.035)
-    for metric in ("pass@1", "pass@4"):
-        assert abs(on_engines["sampled"][metric] - in_process["sampled"][metric]) <= 0.15, metric
-    assert on_engines["sampled"]["num_samples"] == 4 and on_engines["sampled"]["num_prompts"] == heldout["num_prompts"]
+    for k in (1, 4):
+        assert abs(on_engines["sampled"].pass_at_k[k] - in_process["sampled"].pass_at_k[k]) <= 0.15, k
+    assert on_engines["sampled"].num_samples_per_prompt == 4
+    assert on_engines["sampled"].num_prompts == heldout.num_prompts

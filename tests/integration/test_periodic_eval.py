@@ -31,7 +31,7 @@ def run(tmp_path, tiny_model_dir, name, overrides):
 
 
 def final_export_score(cfg, heldout, result):
-    return evaluate_all(cfg, result.hf_export_dir, heldout)["heldout"]["pass@1"]
+    return evaluate_all(cfg, result.hf_export_dir, heldout)["heldout"].pass_at_1
 
 
 @pytest.mark.parametrize("overrides", [

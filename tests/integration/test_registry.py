@@ -197,7 +197,7 @@ def _reference_pass_at_1(model_dir, cfg: RunConfig, eval_path) -> float:
 
     engine = EmbeddedEngine(str(model_dir), num_threads=2)
     prompts = read_prompts(eval_path, cfg.data, engine.tokenizer)
-    return evaluate_greedy(engine, prompts, cfg.rollout.reward, cfg.eval.max_new_tokens, cfg.eval.batch_size)["pass@1"]
+    return evaluate_greedy(engine, prompts, cfg.rollout.reward, cfg.eval.max_new_tokens, cfg.eval.batch_size).pass_at_1
 
 
 def test_rl_eval_flow_on_export_registry_version_and_checkpoint(mlflow_uri, tiny_model_dir, eval_recipe, tmp_path):

@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from miles_core.config import RunConfig, build_config
 from miles_core.evaluation import reports
 from miles_core.tracking import runs as tracking
+from miles_core.types import EvalResult
 
 FAKE_SECRETS = {
     "AWS_SECRET_ACCESS_KEY": "fakeAwsSecret/9f3Kq2LmZx7Rt0Vb",
@@ -21,9 +22,9 @@ FAKE_SECRETS = {
     "HF_TOKEN": "hf_fakeTokenQWERTYasdfgh123456",
 }
 
-BEFORE = {"heldout": {"pass@1": 0.25, "num_prompts": 4, "examples": []}}
-AFTER = {"heldout": {"pass@1": 0.75, "avg@1": 0.75, "num_prompts": 4, "examples": [
-    {"prompt": [{"role": "user", "content": "1+2="}], "label": "3", "responses": ["3"], "rewards": [1.0]}]}}
+BEFORE = {"heldout": EvalResult(pass_at_k={1: 0.25}, num_prompts=4)}
+AFTER = {"heldout": EvalResult(pass_at_k={1: 0.75}, mean_reward_at_n={1: 0.75}, num_prompts=4, examples=[
+    {"prompt": [{"role": "user", "content": "1+2="}], "label": "3", "responses": ["3"], "rewards": [1.0]}])}
 
 
 def _leaks(text: str) -> list[str]:
@@ -37,7 +38,7 @@ def test_nothing_from_the_environment_reaches_the_run(tmp_path, monkeypatch, tin
     cfg = build_config({"storage": {"work_dir": str(tmp_path / "work"), "object_store_uri": "s3://bucket/runs"},
                         "tracking": {"tracking_uri": uri}})
     uri, run_id = tracking.start_or_attach_run(cfg, "secrets-run", {"miles.flow_run_id": "local"})
-    tracking.log_eval(uri, run_id, "after", AFTER["heldout"], step=1)
+    tracking.log_eval_file(uri, run_id, "after", AFTER["heldout"])
     reports.log_eval_metrics(uri, run_id, "after", AFTER, step=1)
     reports.log_report(uri, run_id, BEFORE, AFTER, [0.1, 0.4, 0.6])
     version = tracking.register_model(uri, run_id, "secrets-model", str(tiny_model_dir), {"eval_pass_at_1": "0.75"}, step=3)

@@ -74,7 +74,7 @@ def test_sglang_engine_run_with_restart_and_dedicated_eval_leaves_no_server(ray_
     assert all(h["weights/broadcast_gbytes"] > 0 for h in result.history)
     assert max(h["rollout/train_logprob_abs_diff"] for h in result.history) <= 1e-4
     # the dedicated eval engine got the weights from disk (SGLang takes no in-process tensors)
-    warm_score = evaluate_all(cfg, warm_tiny["warm"], warm_tiny["eval"])["heldout"]["pass@1"]
+    warm_score = evaluate_all(cfg, warm_tiny["warm"], warm_tiny["eval"])["heldout"].pass_at_1
     assert [e["step"] for e in result.periodic_eval] == [2, 4]
     assert all(abs(e["eval/periodic/heldout/pass_at_1"] - warm_score) <= 0.05 for e in result.periodic_eval)
     assert not wait_gone(set().union(*seen.values()) | server_pids(warm_tiny["warm"]))  # no server outlived the run

@@ -12,7 +12,7 @@ from tests.conftest import REPO
 
 def test_trl_reaches_a_target_from_ours_start_and_is_timed_against_ours(warm_tiny, tmp_path):
     cfg = warm_tiny["cfg"]
-    before = evaluate_all(cfg, warm_tiny["warm"], warm_tiny["eval"])[HELDOUT]["pass@1"]
+    before = evaluate_all(cfg, warm_tiny["warm"], warm_tiny["eval"])[HELDOUT].pass_at_1
     ours = {"seed": cfg.seed, "warm_model_dir": str(warm_tiny["warm"]), "train_path": str(warm_tiny["train"]),
             "eval_path": str(warm_tiny["eval"]), "before": before, "rl_steps": 2,
             "median_per_step": {"time/step_seconds": 0.5},

@@ -24,7 +24,7 @@ def overridden(cfg, **warmup):
 
 def probe_score(cfg, model_dir, probe) -> float:
     engine = EmbeddedEngine(str(model_dir), num_threads=cfg.training.num_threads)
-    return evaluate_greedy(engine, probe, cfg.rollout.reward, cfg.eval.max_new_tokens, 256)["pass@1"]
+    return evaluate_greedy(engine, probe, cfg.rollout.reward, cfg.eval.max_new_tokens, 256).pass_at_1
 
 
 def test_recipe_warmup_reaches_its_target_on_held_out_probe_prompts(warm_tiny):

@@ -311,8 +311,8 @@ def test_evaluation_can_score_the_episodes_of_rollout_generate():
     single = evaluate_dataset(Engine(), [prompt], "exact_match", max_new_tokens=4, batch_size=8)
     episodes = evaluate_dataset(Engine(), [prompt], "exact_match", max_new_tokens=4, batch_size=8,
                                 generate_fn=self_correction.generate)
-    assert (single["pass@1"], episodes["pass@1"]) == (0.0, 1.0)  # right on the second try
-    assert episodes["examples"][0]["responses"] == [prompt.label]
+    assert (single.pass_at_1, episodes.pass_at_1) == (0.0, 1.0)  # right on the second try
+    assert episodes.examples[0]["responses"] == [prompt.label]
 
 
 def test_eval_with_rollout_generate_needs_one():

@@ -18,7 +18,7 @@ from miles_core.evaluation.core import (
     pass_at_k,
     run_external_eval,
 )
-from miles_core.types import Prompt
+from miles_core.types import EvalResult, Prompt
 
 # ---- pass@k ------------------------------------------------------------------------------------
 
@@ -79,13 +79,13 @@ def test_sampled_pass_at_k_and_avg_are_exact():
     engine = ScriptedEngine(SCRIPT)
     result = evaluate_dataset(engine, prompts(4), "exact_match", num_samples=4, temperature=0.7, top_p=0.9,
                               max_new_tokens=5, batch_size=3, pass_k=[1, 2, 4, 8], seed=11)
-    assert result["pass@1"] == pytest.approx((1 + 0.25 + 0 + 0.5) / 4)
-    assert result["pass@2"] == pytest.approx((1 + (1 - 3 / 6) + 0 + (1 - 1 / 6)) / 4)
-    assert result["pass@4"] == pytest.approx(0.75)
-    assert "pass@8" not in result  # k > n is not estimable
-    assert result["avg@4"] == pytest.approx(7 / 16)
-    assert result["num_prompts"] == 4 and result["num_samples"] == 4
-    assert result["examples"][1] == {"prompt": "q1", "label": "1", "responses": SCRIPT[1],
+    assert result.pass_at_1 == pytest.approx((1 + 0.25 + 0 + 0.5) / 4)
+    assert result.pass_at_k[2] == pytest.approx((1 + (1 - 3 / 6) + 0 + (1 - 1 / 6)) / 4)
+    assert result.pass_at_k[4] == pytest.approx(0.75)
+    assert 8 not in result.pass_at_k and "pass@8" not in result.to_json()  # k > n is not estimable
+    assert result.mean_reward_at_n[4] == pytest.approx(7 / 16)
+    assert result.num_prompts == 4 and result.num_samples_per_prompt == 4
+    assert result.examples[1] == {"prompt": "q1", "label": "1", "responses": SCRIPT[1],
                                      "rewards": [1.0, 0.0, 0.0, 0.0]}
     # 16 sequences in batches of 3, sampling settings passed through; row i of the batch starting
     # at sequence s samples with seed 11 + s + i, so every sequence has a seed of its own
@@ -98,19 +98,19 @@ def test_avg_at_n_is_mean_reward_not_accuracy_for_signed_rewards():
     script = {i: [f"Answer: {t}" for t in texts] for i, texts in SCRIPT.items()}
     result = evaluate_dataset(ScriptedEngine(script), prompts(4), "dapo", num_samples=4, temperature=1.0,
                               max_new_tokens=5, batch_size=16)
-    assert result["pass@1"] == pytest.approx(7 / 16)
-    assert result["avg@4"] == pytest.approx((7 - 9) / 16)  # dapo scores +1 / -1
+    assert result.pass_at_1 == pytest.approx(7 / 16)
+    assert result.mean_reward_at_n[4] == pytest.approx((7 - 9) / 16)  # dapo scores +1 / -1
 
 
 def test_greedy_matches_evaluate_greedy_and_refuses_several_samples():
     script = {0: ["1"], 1: ["2"], 2: ["1"], 3: ["x"], 4: ["1"], 5: ["1"], 6: ["0"], 7: ["1"], 8: ["1"], 9: ["3"]}
     result = evaluate_dataset(ScriptedEngine(script), prompts(10), "exact_match", max_new_tokens=4, batch_size=4)
-    assert result["pass@1"] == pytest.approx(0.6) and result["avg@1"] == pytest.approx(0.6)
-    assert len(result["examples"]) == 8
+    assert result.pass_at_1 == pytest.approx(0.6) and result.mean_reward_at_n[1] == pytest.approx(0.6)
+    assert len(result.examples) == 8
     greedy = evaluate_greedy(ScriptedEngine(script), prompts(10), "exact_match", 4, 4)
-    assert set(greedy) == {"pass@1", "num_prompts", "examples"}
-    assert greedy["pass@1"] == result["pass@1"] and greedy["num_prompts"] == 10
-    assert greedy["examples"][1] == {"prompt": "q1", "response": "2", "label": "1", "correct": False}
+    assert set(greedy.to_json()) == {"pass@1", "num_prompts", "examples"}
+    assert greedy.pass_at_1 == result.pass_at_1 and greedy.num_prompts == 10
+    assert greedy.examples[1] == {"prompt": "q1", "response": "2", "label": "1", "correct": False}
     with pytest.raises(ValueError, match="greedy"):
         evaluate_dataset(ScriptedEngine(SCRIPT), prompts(4), "exact_match", num_samples=4, temperature=0.0,
                          max_new_tokens=4, batch_size=4)
@@ -124,19 +124,20 @@ def test_evaluate_all_covers_heldout_and_extra_datasets(tiny_model_dir, tmp_path
     cfg = build_config({"eval": {"max_new_tokens": 3, "pass_k": [1, 2], "datasets": [sampled]}})
     results = evaluate_all(cfg, tiny_model_dir, eval_path)
     assert set(results) == {"heldout", "sampled"}
-    assert set(results["heldout"]) >= {"pass@1", "avg@1", "num_prompts", "examples"}
-    assert "pass@2" not in results["heldout"]  # greedy: n = 1
-    assert set(results["sampled"]) >= {"pass@1", "pass@2", "avg@2"} and results["sampled"]["num_samples"] == 2
+    assert set(results["heldout"].to_json()) >= {"pass@1", "avg@1", "num_prompts", "examples"}
+    assert 2 not in results["heldout"].pass_at_k  # greedy: n = 1
+    assert set(results["sampled"].to_json()) >= {"pass@1", "pass@2", "avg@2"}
+    assert results["sampled"].num_samples_per_prompt == 2
 
     from miles_core.engines.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(str(tiny_model_dir), num_threads=2)
     greedy = evaluate_greedy(engine, read_prompts(eval_path, cfg.data, engine.tokenizer), "exact_match", 3, 256)
-    assert results["heldout"]["pass@1"] == greedy["pass@1"] and results["heldout"]["num_prompts"] == 12
+    assert results["heldout"].pass_at_1 == greedy.pass_at_1 and results["heldout"].num_prompts == 12
     # the same greedy responses, not just the same (zero) score of a random model
-    assert [e["responses"][0] for e in results["heldout"]["examples"]] == [e["response"] for e in greedy["examples"]]
-    assert results["sampled"]["num_prompts"] == 12
-    assert results["sampled"]["avg@2"] == pytest.approx(results["sampled"]["pass@1"])  # 0/1 rewards
+    assert [e["responses"][0] for e in results["heldout"].examples] == [e["response"] for e in greedy.examples]
+    assert results["sampled"].num_prompts == 12
+    assert results["sampled"].mean_reward_at_n[2] == pytest.approx(results["sampled"].pass_at_1)  # 0/1 rewards
 
     clash = cfg.model_copy(deep=True)
     clash.eval.datasets[0].name = "heldout"
@@ -155,7 +156,7 @@ def test_external_eval_reads_json_and_quotes_paths(tmp_path):
     out.parent.mkdir()
     code = "import json,sys; json.dump({'pass@1': 0.25, 'model': sys.argv[1]}, open(sys.argv[2], 'w'))"
     metrics = run_external_eval(_python(code, "{model_dir}", "{output_json}"), "/models/a b", str(out), 60)
-    assert metrics["pass@1"] == 0.25 and metrics["model"] == "/models/a b"
+    assert metrics.pass_at_1 == 0.25 and metrics.other["model"] == "/models/a b"
 
 
 def test_external_eval_failures_are_explained(tmp_path):
@@ -176,11 +177,12 @@ def test_external_eval_failures_are_explained(tmp_path):
 def test_report_rows_markdown_and_samples():
     from miles_core.evaluation.reports import eval_report, report_markdown, sample_rollouts, summary_metrics
 
-    before = {"pass@1": 0.25, "num_prompts": 4, "examples": []}  # a bare result is the held-out set
-    after = {"heldout": {"pass@1": 0.5, "num_prompts": 4, "examples": [
-                 {"prompt": "q", "label": "1", "response": "1", "correct": True}]},
-             "aime": {"pass@1": 0.1, "pass@10": 0.4, "pass@2": 0.2, "avg@10": 0.1, "num_prompts": 2, "examples": [
-                 {"prompt": "p", "label": "7", "responses": ["7", "8"], "rewards": [1.0, 0.0]}]}}
+    before = EvalResult.from_json({"pass@1": 0.25, "num_prompts": 4, "examples": []})  # a bare result: held-out
+    after = {name: EvalResult.from_json(r) for name, r in {
+        "heldout": {"pass@1": 0.5, "num_prompts": 4, "examples": [
+            {"prompt": "q", "label": "1", "response": "1", "correct": True}]},
+        "aime": {"pass@1": 0.1, "pass@10": 0.4, "pass@2": 0.2, "avg@10": 0.1, "num_prompts": 2, "examples": [
+            {"prompt": "p", "label": "7", "responses": ["7", "8"], "rewards": [1.0, 0.0]}]}}.items()}
     report = eval_report(before, after)
     assert [(r["dataset"], r["metric"]) for r in report["rows"]] == [
         ("heldout", "pass@1"), ("aime", "pass@1"), ("aime", "pass@2"), ("aime", "pass@10"), ("aime", "avg@10")]
