@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.config.rollout import RolloutConfig
 from miles_core.engines.sglang.args import SERVER_ARGS, SGLANG_VERSIONS_CHECKED, server_arg_flags
 from miles_core.engines.sglang.client import WEIGHT_UPDATE_DEFAULTS, SGLangClient
 from miles_core.rollout.manager import RolloutManager
@@ -70,7 +71,7 @@ def _recorded_calls(monkeypatch, version: str) -> list[tuple[str, str, dict]]:
 def _rollout_params(seeds: list[int]) -> list[dict]:
     """The per-sample sampling params the rollout manager sends."""
     manager = RolloutManager.__new__(RolloutManager)  # sampling_params reads only the rollout section
-    manager.rollout = type("Rollout", (), {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 4})()
+    manager.rollout = RolloutConfig(temperature=1.0, top_p=0.9, max_new_tokens=4)
     return manager.sampling_params(seeds)
 
 
