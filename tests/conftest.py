@@ -36,6 +36,18 @@ def prefect_api(tmp_path_factory):
         stack.stop_stack(state_dir)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _early_network_checks(request, tmp_path_factory):
+    """Starts, as the session begins, work that mostly waits on the network, so that it overlaps
+    with the tests before the one that needs it: the cluster profiles' pip dry runs (50-100 s
+    on the package index; tests/unit/test_cluster_install.py runs near the end of the session)."""
+    if any(item.path.name == "test_cluster_install.py" and "resolutions" in getattr(item, "fixturenames", ())
+           for item in request.session.items):
+        from tests.unit import test_cluster_install
+
+        test_cluster_install.start_resolving(tmp_path_factory.mktemp("cluster-profiles"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A built-in tiny model (random weights) shared by the unit tests."""

@@ -17,10 +17,11 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import tomllib
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -133,27 +134,44 @@ def _index_url() -> str:
     return url.rstrip("/")
 
 
-@pytest.fixture(scope="module")
-def project_wheel(tmp_path_factory) -> Path:
+class Skip(str):
+    """Why the cluster profiles cannot be resolved here (the tests skip with it)."""
+
+
+def project_wheel(src: Path, out: Path) -> Path | Skip:
     """This project's wheel, built from a copy of its sources (the checkout stays untouched)."""
     pip_version = importlib.metadata.version("pip")  # not `import pip`: it would change distutils for later tests
     if Version(pip_version) < Version("23.0"):
-        pytest.skip(f"pip {pip_version} is too old for `install --dry-run --report`")
+        return Skip(f"pip {pip_version} is too old for `install --dry-run --report`")
     index = _index_url()
     try:
         urllib.request.urlopen(urllib.request.Request(f"{index}/sglang/", method="HEAD"), timeout=20).close()
     except (urllib.error.URLError, OSError) as exc:
-        pytest.skip(f"the package index {index} cannot be reached ({exc}); the cluster profiles were not resolved")
-    src = tmp_path_factory.mktemp("src")
+        return Skip(f"the package index {index} cannot be reached ({exc}); the cluster profiles were not resolved")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     for package in ("miles_core", "flows", "tasks", "infra"):
         shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
-    out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "-w", str(out), str(src)], check=True, capture_output=True, text=True)
     (wheel,) = out.glob("miles_posttrain-*.whl")
     return wheel
+
+
+def _pip(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run pip at a lower CPU priority: it mostly waits on the index, and it may run beside
+    other tests (start_resolving), which must not be slowed by its share of the CPU."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        os.setpriority(os.PRIO_PROCESS, proc.pid, 10)
+    except OSError:  # exited already, or not permitted: only the priority is lost
+        pass
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def dry_run(wheel: Path, constraints: Path, report: Path) -> subprocess.CompletedProcess:
@@ -164,21 +182,61 @@ def dry_run(wheel: Path, constraints: Path, report: Path) -> subprocess.Complete
            # HTTP range requests instead of downloading it (torch alone is 0.5 GB).
            "--use-feature=fast-deps",
            "--report", str(report), "-c", str(constraints), f"{wheel}[sglang,megatron]"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    done = _pip(cmd)
     if done.returncode and "fast-deps" in done.stderr and "invalid choice" in done.stderr:
         cmd.remove("--use-feature=fast-deps")  # a pip without the feature: plain metadata downloads
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        done = _pip(cmd)
     return done
 
 
-@pytest.fixture(scope="module")
-def resolutions(project_wheel, tmp_path_factory) -> dict[Path, tuple[subprocess.CompletedProcess, Path]]:
+Resolutions = dict[Path, tuple[subprocess.CompletedProcess, Path]]
+
+
+def resolve_all(root: Path) -> Resolutions | Skip:
     """Every cluster profile's dry run, all at once: each waits on the index for most of its
     minute, so they overlap instead of adding up."""
-    out = tmp_path_factory.mktemp("reports")
+    for sub in ("src", "wheel", "reports"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    wheel = project_wheel(root / "src", root / "wheel")
+    if isinstance(wheel, Skip):
+        return wheel
     with ThreadPoolExecutor(max_workers=len(CLUSTER_PROFILES)) as pool:
-        runs = {p: pool.submit(dry_run, project_wheel, p, out / f"{p.stem}.json") for p in CLUSTER_PROFILES}
-        return {p: (run.result(), out / f"{p.stem}.json") for p, run in runs.items()}
+        runs = {p: pool.submit(dry_run, wheel, p, root / "reports" / f"{p.stem}.json") for p in CLUSTER_PROFILES}
+        return {p: (run.result(), root / "reports" / f"{p.stem}.json") for p, run in runs.items()}
+
+
+_started: Future | None = None
+
+
+def start_resolving(root: Path) -> None:
+    """Start resolve_all in a background thread, once per session. tests/conftest.py calls this
+    when the session begins, if test_cluster_profile_resolves is selected: the dry runs wait
+    on the index for 50-100 s, during which the tests before this module run, instead of
+    waiting for them here. A daemon thread: an interrupted session does not wait for pip."""
+    global _started
+    if _started is not None:
+        return
+    _started = Future()
+
+    def work(result: Future) -> None:
+        try:
+            result.set_result(resolve_all(root))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the fixture, in the test that needs it
+            result.set_exception(exc)
+
+    threading.Thread(target=work, args=(_started,), name="cluster-profile-dry-runs", daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def resolutions(tmp_path_factory) -> Resolutions:
+    """resolve_all's result: started early by the session (start_resolving), or here when this
+    module runs in a session that did not start it."""
+    if _started is None:
+        start_resolving(tmp_path_factory.mktemp("cluster-profiles"))
+    got = _started.result()
+    if isinstance(got, Skip):
+        pytest.skip(got)
+    return got
 
 
 @pytest.mark.parametrize("profile", CLUSTER_PROFILES, ids=lambda p: p.stem)
