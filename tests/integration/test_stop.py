@@ -21,8 +21,9 @@ from tests.conftest import REPO, run_env
 
 @pytest.fixture
 def wedged_hub(monkeypatch):
-    """Returns a setter for how many model lookups are answered before the Hub goes silent."""
-    answers, release = {"left": 0}, threading.Event()
+    """Returns a setter for how many model lookups are answered before the Hub goes silent; the
+    setter's `held` event is set once a request is being held without an answer."""
+    answers, release, held = {"left": 0}, threading.Event(), threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -39,6 +40,7 @@ def wedged_hub(monkeypatch):
                 self.end_headers()
                 self.wfile.write(body)
             else:
+                held.set()
                 release.wait()
 
         do_HEAD = do_GET
@@ -50,7 +52,11 @@ def wedged_hub(monkeypatch):
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
-    yield lambda n: answers.update(left=n)
+    def answer(n: int) -> None:
+        answers.update(left=n)
+
+    answer.held = held
+    yield answer
     release.set()
     server.shutdown()
     server.server_close()
@@ -77,7 +83,9 @@ def test_sigterm_stops_a_run_whose_download_hangs(wedged_hub, tmp_path):
         lines.append(line)
         if "stage prepare_model" in line:
             break
-    time.sleep(3)
+    # The download's request is held by the Hub: the run is stuck in it (a fixed 3 s sleep
+    # did not say so, and waited longer than needed).
+    assert wedged_hub.held.wait(60), "".join(lines)[-3000:]
     proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     rest, _ = proc.communicate(timeout=60)  # returns once no child holds the output pipe either
