@@ -33,6 +33,10 @@ ALGORITHMS = {
     # Async: generation of step k+1 overlaps training of step k; TIS corrects the lag. Each
     # update learns from one-step-old samples, so it gets more steps. Trainer and engine run at
     # the same time here, so each gets one thread of the two cores (two each: 3x slower).
+    # LoRA (training.lora): adapters of rank 16 on every decoder linear, the base frozen, at a
+    # learning rate 4x the full model's. bench/algorithms_sweep.py at half the rollout, RL seeds 0-2:
+    # gains +0.305, +0.37, +0.30 (at lr 5e-3: +0.155, +0.20, ...; the full model at 5e-4: +0.20 to +0.34).
+    "grpo@lora": ["training.lora.rank=16", "training.lr=2e-3"],
     "grpo@one_step_off": ["rollout.loop=one_step_off", "algorithm.correction.kind=tis", "training.num_steps=80",
                           "training.num_threads=1"],
 }
@@ -73,7 +77,7 @@ def test_objective_raises_heldout_accuracy(warm, name):
           f"{statistics.fmean(rewards[-5:]):.3f}")
     assert after >= before + MIN_GAIN, (name, before, after)
     assert statistics.fmean(rewards[-10:]) > statistics.fmean(rewards[:10]), (name, rewards)
-    if "@" not in name:  # on-policy: trainer and engine score the same weights
+    if not name.endswith("@one_step_off"):  # on-policy: trainer and engine score the same weights
         assert max(h["rollout/train_logprob_abs_diff"] for h in result.history) <= 1e-4
 
 
