@@ -41,7 +41,7 @@ def build(shape: dict, layers: int, seq: int, fp8: bool, compile_layers: bool):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from miles_core.config.schema import FSDPConfig
+    from miles_core.config.training import FSDPConfig
     from miles_core.training.fsdp import _shard
 
     config = Qwen3Config(**{**shape, "num_hidden_layers": layers}, max_position_embeddings=max(seq, 4096),

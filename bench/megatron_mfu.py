@@ -117,7 +117,7 @@ def shard_as_fsdp_trainer(hf_model, mixed_precision: bool) -> None:
     """FSDPTrainer's own sharding (fully_shard each decoder layer, then the model). mixed_precision:
     training.fsdp.compute_dtype=bfloat16, FSDP2 gathering bf16 copies of the fp32 parameters and
     reducing gradients in fp32; without it the parameters compute in their own dtype."""
-    from miles_core.config.schema import FSDPConfig
+    from miles_core.config.training import FSDPConfig
     from miles_core.training.fsdp import _shard
 
     _shard(hf_model, FSDPConfig(compute_dtype="bfloat16" if mixed_precision else "float32"))

@@ -25,7 +25,6 @@ from miles_core.config.schema import (
                                          DataConfig,
                                          EvalConfig,
                                          EvalDatasetConfig,
-                                         MegatronConfig,
                                          ModelConfig,
                                          PlacementConfig,
                                          RolloutConfig,
@@ -33,9 +32,9 @@ from miles_core.config.schema import (
                                          StorageConfig,
                                          TinyModelConfig,
                                          TrackingConfig,
-                                         TrainingConfig,
                                          WarmupConfig,
 )
+from miles_core.config.training import MegatronConfig, TrainingConfig
 
 __all__ = ["ALGORITHMS", "GROUP_ALGORITHMS", "KL_IN_REWARD_ALGORITHMS", "AlgorithmConfig", "ArithmeticTaskConfig",
            "CheckpointConfig", "ConfigError", "CorrectionConfig", "DataConfig", "EvalConfig", "EvalDatasetConfig",

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from miles_core import objectives
 from miles_core.config import AlgorithmConfig, TrainingConfig
-from miles_core.config.schema import FSDPConfig
+from miles_core.config.training import FSDPConfig
 from miles_core.net import free_port
 from miles_core.training import lora, state_io
 from miles_core.training.batches import pad_batch

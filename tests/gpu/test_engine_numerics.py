@@ -159,7 +159,7 @@ def rollout(engine, prompts: list[list[int]], max_new_tokens: int, seed: int) ->
 def build_trainer(model_dir: Path, compute_dtype: str, micro_batch_size: int):
     """FSDPTrainer as `miles run` builds it for a GPU recipe (training.fsdp.compute_dtype)."""
     from miles_core.config import AlgorithmConfig, TrainingConfig
-    from miles_core.config.schema import FSDPConfig
+    from miles_core.config.training import FSDPConfig
     from miles_core.training.fsdp import FSDPTrainer
 
     training = TrainingConfig(micro_batch_size=micro_batch_size, fsdp=FSDPConfig(compute_dtype=compute_dtype))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_core.config.schema import FSDPConfig
+from miles_core.config.training import FSDPConfig
 from miles_core.training.float8 import convert_float8_linears, float8_filter
 from miles_core.training.fsdp import _shard
 
