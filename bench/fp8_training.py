@@ -133,7 +133,10 @@ def main(argv: list[str] | None = None) -> dict:
     sides = {name: run_side(args, fp8) for name, fp8 in (("bf16", False), ("fp8", True))}
     speedup = {str(b["batch"]): b["tokens_per_s"] / a["tokens_per_s"]
                for a, b in zip(sides["bf16"]["runs"], sides["fp8"]["runs"]) if "oom" not in a and "oom" not in b}
-    summary = {"gpu": gpu_identity(), "model": args.model, "layers": args.layers, "seq": args.seq,
+    from importlib.metadata import version
+
+    summary = {"gpu": gpu_identity(), "torchao": version("torchao"), "model": args.model, "layers": args.layers,
+               "seq": args.seq,
                "compiled": args.compile, "sides": sides, "fp8_over_bf16_tokens_per_s": speedup,
                "command": " ".join(["python", "bench/fp8_training.py", *(argv or sys.argv[1:])])}
     if args.out:
