@@ -138,7 +138,7 @@ def _build_qwen3_shape(shape: dict, out_dir: Path) -> Path:
 
     tokenizer = build_tokenizer()
     assert len(tokenizer) <= shape["vocab_size"]  # every token id is a valid embedding row
-    config = Qwen3Config(**shape, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
+    config = Qwen3Config(**shape, max_position_embeddings=40960, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None, torch_dtype="float32")
     return save_random_model(config, tokenizer, out_dir, seed=0)
 

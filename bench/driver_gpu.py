@@ -93,7 +93,7 @@ def main() -> None:
     from _common import local_config
 
     from miles_core.driver.loop import run_loop
-    from miles_core.driver.run import TrainingRun
+    from miles_core.driver.run import RunHooks, TrainingRun
 
     gpu = torch.cuda.is_available()  # without one (a dry run on a CPU machine) the same layout, CPU only
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="driver-gpu-"))
@@ -107,11 +107,15 @@ def main() -> None:
         *sglang_overrides(args.engine, args.sglang_python, args.time_sharing),
         *(["placement.time_sharing=true"] if args.time_sharing else []), *args.overrides,
     ])
+    planned = {name: plan_phases_gib(cfg, shared) for name, shared in (("time_shared", True), ("unshared", False))}
+    log(f"miles plan's per-GPU phase peaks (GiB): {planned}")
     ray.init(num_cpus=12, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=True)
     log(f"ray up: {ray.cluster_resources()}")
     opened = time.perf_counter()
+    progress = RunHooks(on_metrics=lambda step, metrics: log(  # a run stopped by a time limit still reports
+        f"step {step}: " + "  ".join(f"{k} {metrics[k]:.3f}" for k in BREAKDOWN if k in metrics)))
     run = TrainingRun.open(cfg, work / f"run-{args.transport}-{time.strftime('%H%M%S')}", str(model_dir),
-                           str(train_path))
+                           str(train_path), hooks=progress)
     try:
         open_seconds = time.perf_counter() - opened
         log(f"trainer and engine actors up in {open_seconds:.1f} s")
@@ -121,10 +125,6 @@ def main() -> None:
         run.close()
         ray.shutdown()
     steps = [{k: row[k] for k in BREAKDOWN if k in row} for row in state.history]
-    planned = {name: plan_phases_gib(cfg, shared) for name, shared in (("time_shared", True), ("unshared", False))}
-    log(f"miles plan's per-GPU phase peaks (GiB): {planned}")
-    for i, row in enumerate(steps, start=1):
-        log(f"step {i}: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))
     warm = steps[1:] or steps
     floor = copy_floor_seconds(model_dir, cfg.model.dtype)
     sync = median(r["weights/sync_seconds"] for r in warm)
