@@ -158,7 +158,8 @@ class FullyAsyncLoopConfig(Section):
     stale_policy: Literal["drop", "retry"] = "drop"
     """A stale batch is dropped (the next one is used) or regenerated at once."""
     buffer_batches: int = Field(1, ge=1)
-    """Batches the producer may generate ahead of the trainer."""
+    """Batches the producer may generate ahead of the trainer, plus one waiting for room; in all
+    no more than max_weight_staleness (at least 1), since more would be stale when trained."""
 
 
 class PartialRolloutsConfig(Section):

@@ -77,7 +77,9 @@ class OneStepOffSchedule:
 
 class FullyAsyncSchedule:
     """A persistent producer fills a bounded buffer with the newest weights it has; batches
-    more than `max_weight_staleness` versions behind are dropped or regenerated.
+    more than `max_weight_staleness` versions behind are dropped or regenerated. The producer
+    starts a batch only while fewer than `max_weight_staleness` are made and unconsumed (see
+    _may_start), so a producer faster than the trainer makes none that would be stale.
 
     With rollout.partial (and `engines`, which must offer pause(mode) and resume()), the producer
     runs rounds (see miles_core.rollout.partial_pool) and a weight update does not wait for a
@@ -100,14 +102,14 @@ class FullyAsyncSchedule:
         self.handoff = threading.Lock()
         self.in_hand: RolloutBatch | None = None
         """A batch made and not yet in the buffer (full): with the buffer, what `unconsumed` sees."""
+        self.ahead = max(self.max_staleness, 1)
+        """Batches the producer keeps made and unconsumed at most (see _may_start)."""
 
     def _run(self) -> None:
         try:
             if self.in_hand is not None:  # restored: one batch more than the buffer holds
                 self._hand_over()
-            while not self.stop.is_set():
-                while self.update_waiting.is_set() and not self.stop.is_set():
-                    time.sleep(0.01)
+            while self._may_start():
                 with self.engine_lock:
                     batch = self.produce(self.produced, self.engine_version)
                     if batch is None:  # a partial round: no group set is complete yet
@@ -117,6 +119,20 @@ class FullyAsyncSchedule:
                 self._hand_over()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             self.buffer.put(exc)
+
+    def _may_start(self, interval: float = 0.01) -> bool:
+        """Wait until the producer may start a batch or a partial round (False once stopped): no
+        weight update is waiting for the engines, and fewer than `ahead` batches are made and
+        unconsumed. A batch started at engine version V with Q such batches is taken after them,
+        when the trainer is at most at V + Q + 1: with Q < max_weight_staleness it is never
+        stale. At max_weight_staleness=0 every batch made ahead may be stale, and waiting for
+        Q < 0 would make none: the producer stays one batch ahead, which the consumer drops (or
+        regenerates) when an update came first."""
+        while not self.stop.is_set():
+            if not self.update_waiting.is_set() and len(self.unconsumed()) < self.ahead:
+                return True
+            time.sleep(interval)
+        return False
 
     def _hand_over(self, interval: float = 0.05) -> None:
         """Move the batch in hand into the buffer once it has room (or until stopped); the batch is

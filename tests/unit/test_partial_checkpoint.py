@@ -166,7 +166,8 @@ def test_restored_groups_too_stale_are_dropped_and_counted(tmp_path):
 
 def test_the_schedule_hands_out_a_checkpoints_unconsumed_batches_first():
     cfg = build_config({"rollout": {"loop": "fully_async"}}, ["algorithm.correction.kind=tis",
-                                                              "rollout.loop.buffer_batches=1"])
+                                                              "rollout.loop.buffer_batches=1",
+                                                              "rollout.loop.max_weight_staleness=2"])  # 2 ahead
 
     def numbered(start: int):
         made = itertools.count(start)

@@ -20,14 +20,14 @@ def produce(step: int, version: int) -> RolloutBatch:
 
 @pytest.mark.parametrize("policy, dropped", [("drop", [1, 2]), ("retry", [1])])
 def test_the_fully_async_loop_counts_the_tokens_of_the_stale_batches_it_drops(policy, dropped):
-    cfg = build_config({"rollout": {"loop": {"kind": "fully_async", "max_weight_staleness": 1,
+    cfg = build_config({"rollout": {"loop": {"kind": "fully_async", "max_weight_staleness": 1, "buffer_batches": 2,
                                              "stale_policy": policy}}}, ["algorithm.correction.kind=tis"])
     schedule = FullyAsyncSchedule(produce, cfg)
+    # Batches 0-2 made at version 0 and checkpointed unconsumed: at this bound the producer itself
+    # keeps only one batch ahead, which never goes stale (see the pacing test below).
+    schedule.restore([produce(step, 0) for step in range(3)])
     try:
         first = schedule.next(0, 0)
-        deadline = time.monotonic() + 30
-        while len(schedule.unconsumed()) < 2 and time.monotonic() < deadline:  # batches 1 and 2, made at version 0
-            time.sleep(0.01)
         for _ in range(2):  # two weight updates: batches 1 and 2 are now 2 versions behind
             with schedule.hold_engines():
                 pass
