@@ -41,6 +41,45 @@ def test_the_fully_async_loop_counts_the_tokens_of_the_stale_batches_it_drops(po
     assert tokens_wasted(fresh.metrics) == {TOKENS_WASTED: expected}
 
 
+def _steps_of_a_slow_trainer(cfg, steps: int) -> list[RolloutBatch]:
+    """The fully async loop with the instant `produce`: after taking each batch, the trainer waits
+    until the producer has made as many batches ahead as it may, and a little more, then updates."""
+    schedule = FullyAsyncSchedule(produce, cfg)
+    batches = []
+    try:
+        for step in range(steps):
+            batches.append(schedule.next(step, step))
+            deadline = time.monotonic() + 30
+            while len(schedule.unconsumed()) < max(cfg.rollout.loop.max_weight_staleness, 1):
+                assert time.monotonic() < deadline, "the producer stopped making batches"
+                time.sleep(0.01)
+            time.sleep(0.05)  # room for a producer that would run further ahead
+            with schedule.hold_engines():
+                pass
+    finally:
+        schedule.close()
+    return batches
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_a_producer_faster_than_the_trainer_makes_no_batch_that_will_be_stale(bound):
+    cfg = build_config({"rollout": {"loop": {"kind": "fully_async", "max_weight_staleness": bound,
+                                             "buffer_batches": 3}}}, ["algorithm.correction.kind=tis"])
+    batches = _steps_of_a_slow_trainer(cfg, steps=8)
+    assert [b.metrics["async/dropped_batches"] for b in batches] == [0.0] * 8
+    assert [b.metrics[ASYNC_DROPPED_TOKENS] for b in batches] == [0.0] * 8
+    # Each batch is as stale as the bound allows, never more: the producer runs ahead exactly that far.
+    assert [b.metrics["async/staleness"] for b in batches] == [float(min(step, bound)) for step in range(8)]
+
+
+def test_at_staleness_0_the_producer_keeps_one_batch_ahead_and_each_step_drops_at_most_that_one():
+    cfg = build_config({"rollout": {"loop": {"kind": "fully_async", "max_weight_staleness": 0,
+                                             "buffer_batches": 3}}}, ["algorithm.correction.kind=tis"])
+    batches = _steps_of_a_slow_trainer(cfg, steps=4)
+    assert [b.metrics["async/staleness"] for b in batches] == [0.0] * 4
+    assert [b.metrics["async/dropped_batches"] for b in batches] == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_partial_rollouts_report_what_their_pool_threw_away_and_sync_reports_zero():
     assert tokens_wasted({}) == {TOKENS_WASTED: 0.0}  # sync, one-step-off: every batch trains
     partial = {ASYNC_DROPPED_TOKENS: 0.0, PARTIAL_TOKENS_THROWN_AWAY: 0.0}
