@@ -124,7 +124,7 @@ def heldout_pass_at_1(model_dir: str, eval_path: Path) -> float:
     cfg = c.local_config([])
     engine = EmbeddedEngine(model_dir, "float32", 1)
     prompts = read_prompts(eval_path, cfg.data, AutoTokenizer.from_pretrained(model_dir))
-    return evaluate_greedy(engine, prompts, "exact_match", cfg.eval.max_new_tokens, cfg.eval.batch_size)["pass@1"]
+    return evaluate_greedy(engine, prompts, "exact_match", cfg.eval.max_new_tokens, cfg.eval.batch_size).pass_at_1
 
 
 def run_mode(args, mode: str, seed: int, start_dir: Path, workload: Path, work: Path) -> dict:
