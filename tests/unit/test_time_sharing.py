@@ -25,6 +25,30 @@ def test_time_sharing_runs_colocated_and_sync():
     assert cfg.placement.time_sharing and cfg.rollout.loop.kind == "sync"
 
 
+def test_a_time_shared_embedded_engine_holds_the_plans_rollout_in_one_round():
+    """miles plan's rollout phase counts every sample decoding at once; the KV budget a time-shared
+    embedded engine gets (the trainer offloaded: what is free is the GPU less the engine's weights
+    and 2 GiB of contexts) holds it, for the Qwen3-4B time-sharing layout at 4096 new tokens on an
+    H100 (81559 MiB). An explicit mem_fraction_static is kept; unshared, the default stays."""
+    from miles_core.engines.embedded.slot_decoder import kv_budget_bytes
+    from miles_core.memory import ModelDims, engine_bytes
+    from miles_core.rollout.engine_group import placed_engine
+
+    layout = ["placement.layout=colocated", "rollout.num_prompts_per_step=8", "rollout.num_samples_per_prompt=8",
+              "rollout.max_new_tokens=4096", "model.dtype=bfloat16",
+              "training.gpus_per_trainer=0.5", "rollout.gpus_per_engine=0.4"]
+    cfg = build_config({}, ["placement.time_sharing=true", *layout])
+    qwen3_4b = ModelDims(num_layers=36, hidden_size=2560, num_heads=32, num_kv_heads=8, head_dim=128,
+                         intermediate_size=9728, vocab_size=151936, tied_embeddings=True)
+    weights, kv = engine_bytes(cfg, qwen3_4b)
+    total = 81559 * 2**20
+    fraction = placed_engine(cfg).mem_fraction_static
+    assert kv_budget_bytes(total - weights - 2 * 2**30, total, fraction) >= kv
+    assert placed_engine(build_config({}, layout)).mem_fraction_static is None
+    explicit = build_config({}, ["placement.time_sharing=true", *layout, "rollout.engine={kind: embedded, mem_fraction_static: 0.5}"])
+    assert placed_engine(explicit).mem_fraction_static == 0.5
+
+
 def test_engine_releases_its_kv_cache_and_rebuilds_it_on_the_next_call(tiny_model_dir):
     from miles_core.engines.embedded.engine import EmbeddedEngine
 
