@@ -45,7 +45,8 @@ def test_a_time_shared_embedded_engine_holds_the_plans_rollout_in_one_round():
     fraction = placed_engine(cfg).mem_fraction_static
     assert kv_budget_bytes(total - weights - 2 * 2**30, total, fraction) >= kv
     assert placed_engine(build_config({}, layout)).mem_fraction_static is None
-    explicit = build_config({}, ["placement.time_sharing=true", *layout, "rollout.engine={kind: embedded, mem_fraction_static: 0.5}"])
+    explicit = build_config({}, ["placement.time_sharing=true", *layout,
+                                 "rollout.engine={kind: embedded, mem_fraction_static: 0.5}"])
     assert placed_engine(explicit).mem_fraction_static == 0.5
 
 
