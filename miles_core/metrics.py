@@ -22,6 +22,11 @@ PARTIAL_TOKENS_THROWN_AWAY = "rollout/partial_tokens_thrown_away"
 TOKENS_WASTED = "rollout/tokens_wasted"
 """Generated tokens never trained on: ASYNC_DROPPED_TOKENS + PARTIAL_TOKENS_THROWN_AWAY (0 for
 sync and one-step-off, whose every batch trains). The long-tail bench compares loops by it."""
+TOKENS_UNUSED_AT_END = "rollout/tokens_unused_at_end"
+"""Response tokens the fully async producer had generated ahead when the run reached
+training.num_steps: its batches made and not trained and, with rollout.partial, its pool's groups
+(finished or not). Logged once, on the last step; not in TOKENS_WASTED, since a run resumed with
+more steps trains the partial ones from its checkpoint."""
 
 # ---- evaluation ------------------------------------------------------------------------------
 # One scheme: eval/<phase>/<dataset>/<metric>, the metric's "@" spelled "_at_" (MLflow names

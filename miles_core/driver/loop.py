@@ -27,6 +27,7 @@ from miles_core.metrics import (
     PARTIAL_TOKENS_THROWN_AWAY,
     REWARD_MEAN,
     STEP_SECONDS,
+    TOKENS_UNUSED_AT_END,
     TOKENS_WASTED,
     TRAIN_LOSS,
     TRAIN_SECONDS,
@@ -125,6 +126,17 @@ def tokens_wasted(metrics: dict[str, float]) -> dict[str, float]:
     """TOKENS_WASTED from a batch's metrics: stale batches the fully async loop dropped plus partial
     groups thrown away (each absent, so 0, where the schedule never wastes any)."""
     return {TOKENS_WASTED: metrics.get(ASYNC_DROPPED_TOKENS, 0.0) + metrics.get(PARTIAL_TOKENS_THROWN_AWAY, 0.0)}
+
+
+def unused_at_end(schedule, pool: PartialPool | None) -> dict[str, float]:
+    """TOKENS_UNUSED_AT_END of a schedule whose producer has stopped (close()); {} for the
+    schedules that generate nothing ahead of the last step."""
+    if not hasattr(schedule, "unconsumed"):
+        return {}
+    samples = [s for batch in schedule.unconsumed() for s in batch.samples]
+    if pool is not None:
+        samples += [s for group in pool.pending + pool.done for s in group]
+    return {TOKENS_UNUSED_AT_END: float(sum(len(s.response_ids) for s in samples))}
 
 
 def make_producer(run: TrainingRun, manager: RolloutManager):
@@ -262,6 +274,10 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
                 run.save(state, batch.cursor if cursor is None else cursor, partial)
                 run.hooks.on_checkpoint(state.step)
             run.hooks.on_step(state)
+        schedule.close()
+        if state.history and (unused := unused_at_end(schedule, pool)):
+            state.history[-1] |= unused
+            run.hooks.on_metrics(state.step, unused)
     finally:
         schedule.close()
     return state

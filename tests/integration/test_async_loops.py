@@ -5,7 +5,7 @@ import pytest
 from miles_core.config import build_config
 from miles_core.data import write_arithmetic_task
 from miles_core.driver.session import TrainSpec, run_training
-from miles_core.metrics import ASYNC_DROPPED_TOKENS, PARTIAL_TOKENS_THROWN_AWAY, TOKENS_WASTED
+from miles_core.metrics import ASYNC_DROPPED_TOKENS, PARTIAL_TOKENS_THROWN_AWAY, TOKENS_UNUSED_AT_END, TOKENS_WASTED
 
 NUM_STEPS = 6
 
@@ -39,6 +39,9 @@ def test_fully_async_respects_the_staleness_bound(ray_local, tmp_path, tiny_mode
     assert versions == sorted(versions)  # never trains on an older batch after a newer one
     assert all(h["rollout/weight_version"] == h["step"] - 1 - s for h, s in zip(result.history, staleness))
     assert all(h[TOKENS_WASTED] == h[ASYNC_DROPPED_TOKENS] for h in result.history)  # dropped batches' tokens
+    # The batch made ahead for a step that never comes is reported once, on the last step.
+    assert [TOKENS_UNUSED_AT_END in h for h in result.history] == [False] * (NUM_STEPS - 1) + [True]
+    assert result.history[-1][TOKENS_UNUSED_AT_END] >= 0
 
 
 def test_async_without_correction_is_rejected():

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from miles_core.config import build_config
-from miles_core.driver.loop import tokens_wasted
-from miles_core.driver.schedules import FullyAsyncSchedule, RolloutBatch
-from miles_core.metrics import ASYNC_DROPPED_TOKENS, PARTIAL_TOKENS_THROWN_AWAY, TOKENS_WASTED
+from miles_core.driver.loop import tokens_wasted, unused_at_end
+from miles_core.driver.schedules import FullyAsyncSchedule, RolloutBatch, SyncSchedule
+from miles_core.metrics import ASYNC_DROPPED_TOKENS, PARTIAL_TOKENS_THROWN_AWAY, TOKENS_UNUSED_AT_END, TOKENS_WASTED
 from miles_core.types import Sample
 
 
@@ -41,10 +41,10 @@ def test_the_fully_async_loop_counts_the_tokens_of_the_stale_batches_it_drops(po
     assert tokens_wasted(fresh.metrics) == {TOKENS_WASTED: expected}
 
 
-def _steps_of_a_slow_trainer(cfg, steps: int) -> list[RolloutBatch]:
+def _steps_of_a_slow_trainer(cfg, steps: int, schedule: FullyAsyncSchedule | None = None) -> list[RolloutBatch]:
     """The fully async loop with the instant `produce`: after taking each batch, the trainer waits
     until the producer has made as many batches ahead as it may, and a little more, then updates."""
-    schedule = FullyAsyncSchedule(produce, cfg)
+    schedule = schedule or FullyAsyncSchedule(produce, cfg)
     batches = []
     try:
         for step in range(steps):
@@ -85,3 +85,19 @@ def test_partial_rollouts_report_what_their_pool_threw_away_and_sync_reports_zer
     partial = {ASYNC_DROPPED_TOKENS: 0.0, PARTIAL_TOKENS_THROWN_AWAY: 0.0}
     assert tokens_wasted(partial) == {TOKENS_WASTED: 0.0}
     assert tokens_wasted(partial | {PARTIAL_TOKENS_THROWN_AWAY: 8.0}) == {TOKENS_WASTED: 8.0}
+
+
+def test_the_batches_made_ahead_when_the_run_ends_are_counted_as_unused():
+    cfg = build_config({"rollout": {"loop": {"kind": "fully_async", "max_weight_staleness": 2,
+                                             "buffer_batches": 3}}}, ["algorithm.correction.kind=tis"])
+    schedule = FullyAsyncSchedule(produce, cfg)
+    _steps_of_a_slow_trainer(cfg, steps=3, schedule=schedule)  # trains batches 0-2; 3 and 4 are made ahead
+    assert [len(b.samples[0].response_ids) for b in schedule.unconsumed()] == [4, 5]
+    assert unused_at_end(schedule, None) == {TOKENS_UNUSED_AT_END: 2 * 4 + 2 * 5}
+
+    class Pool:  # rollout.partial's pool: one group still generating, one finished and not yet batched
+        pending = [[Sample(0, [1], [5] * 3, "")]]
+        done = [[Sample(0, [1], [5] * 7, ""), Sample(0, [1], [], "")]]
+
+    assert unused_at_end(schedule, Pool()) == {TOKENS_UNUSED_AT_END: 18 + 3 + 7}
+    assert unused_at_end(SyncSchedule(produce, cfg), None) == {}  # nothing is generated ahead
