@@ -151,7 +151,14 @@ def run_mode(args, mode: str, seed: int, start_dir: Path, workload: Path, work: 
 
 
 def summarize(history: list[dict], args) -> dict:
-    from miles_core.metrics import ASYNC_DROPPED_TOKENS, PARTIAL_TOKENS_THROWN_AWAY, REWARD_MEAN, STEP_SECONDS, TOKENS_WASTED
+    from miles_core.metrics import (
+        ASYNC_DROPPED_TOKENS,
+        PARTIAL_TOKENS_THROWN_AWAY,
+        REWARD_MEAN,
+        STEP_SECONDS,
+        TOKENS_UNUSED_AT_END,
+        TOKENS_WASTED,
+    )
 
     timed = history[args.skip:]
     batch = args.prompts * args.samples
@@ -174,6 +181,8 @@ def summarize(history: list[dict], args) -> dict:
             # where the waste comes from: stale batches the schedule dropped, or partial groups thrown away
             "tokens_wasted_stale_batches": history[-1].get(ASYNC_DROPPED_TOKENS, 0.0),
             "tokens_wasted_partial_groups": history[-1].get(PARTIAL_TOKENS_THROWN_AWAY, 0.0),
+            # generated ahead of a step that never came (fully async): not trained, not in the waste
+            "tokens_unused_at_end": history[-1].get(TOKENS_UNUSED_AT_END, 0.0),
             "tokens_by_versions_behind": dict(sorted(behind.items(), key=lambda kv: int(kv[0]))),
             "mixed_version_sample_frac_mean": statistics.fmean(h["rollout/mixed_version_sample_frac"] for h in history),
             "staleness_mean": statistics.fmean(h.get("async/staleness", 0.0) for h in history),
