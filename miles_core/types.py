@@ -8,6 +8,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+LORA_ADAPTER_DIR = "adapter"
+"""The folder of a LoRA run's HF export (and so of its registered model) that holds the adapters
+alone, in PEFT's layout; the export's own weights are the merged ones."""
+
 
 @dataclass
 class Prompt:

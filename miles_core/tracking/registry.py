@@ -16,18 +16,31 @@ from mlflow.exceptions import MlflowException
 
 from miles_core.metrics import AFTER_HELDOUT_PASS_AT_1
 from miles_core.tracking.runs import client_for
+from miles_core.types import LORA_ADAPTER_DIR
 
 SCORE_TAG = "eval_pass_at_1"
 """The model version tag the gate compares (a registry tag, not a metric: its name is unchanged)."""
 SCORE_METRIC = AFTER_HELDOUT_PASS_AT_1
 """The run metric the score tag copies: the canonical name, never a deprecated alias."""
 CHAMPION = "champion"
+WEIGHTS_TAG = "weights"
+"""What a model version's weights are: "full" (every weight trained) or "merged_lora" (training.lora:
+the adapters merged into the base; the adapters alone under LORA_ADAPTER_DIR)."""
 
 
 def score_tag(after_metrics: dict[str, float]) -> dict[str, str]:
     """{SCORE_TAG: score} for a new model version, from the metrics log_eval_metrics logged after
     training (a KeyError names SCORE_METRIC when the held-out set was not evaluated)."""
     return {SCORE_TAG: str(after_metrics[SCORE_METRIC])}
+
+
+def weights_tags(lora) -> dict[str, str]:
+    """The tags saying what a new model version's weights are; lora: training.lora when enabled,
+    else None."""
+    if lora is None:
+        return {WEIGHTS_TAG: "full"}
+    return {WEIGHTS_TAG: "merged_lora", "lora_adapter_dir": LORA_ADAPTER_DIR, "lora_rank": str(lora.rank),
+            "lora_alpha": str(lora.alpha), "lora_target_modules": ",".join(lora.modules)}
 
 
 @dataclass

@@ -27,7 +27,7 @@ from miles_core.training.core import RLTrainerCore
 from miles_core.training.data_parallel import rank_micro_batches
 from miles_core.training.logprobs import next_token_logprobs
 from miles_core.training.offload import HostOffload, module_tensors
-from miles_core.types import Sample
+from miles_core.types import LORA_ADAPTER_DIR, Sample
 from miles_core.weight_sync.layout import checkpoint_layout, weights_sha256
 
 
@@ -292,14 +292,14 @@ class FSDPTrainer(RLTrainerCore):
     @_resident
     def export_hf(self, out_dir: str | Path) -> Path:
         """Save a standalone HF directory (config, safetensors weights, tokenizer). With LoRA the
-        weights are merged (what eval, the registry and SGLang load) and `adapter/` holds the
+        weights are merged (what eval, the registry and SGLang load) and LORA_ADAPTER_DIR holds the
         adapters alone in PEFT's layout."""
         out_dir = Path(out_dir)
         state = self.hf_state_dict(to_cpu=True)  # a collective; rank 0 writes
         if self.lora is not None:
             adapter = lora.adapter_params(self.model)  # a collective too
             if self.rank == 0:
-                lora.save_adapter(out_dir / "adapter", adapter, self.lora, self.model_dir)
+                lora.save_adapter(out_dir / LORA_ADAPTER_DIR, adapter, self.lora, self.model_dir)
         if self.rank != 0:
             return out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
