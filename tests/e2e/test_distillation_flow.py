@@ -2,30 +2,19 @@
 SFT warm-up's result, `teacher_source: warmup`), the untouched starting model is the student,
 and its reverse KL to the teacher falls."""
 
-import json
 import statistics
-import subprocess
-import sys
 
 import pytest
-
-from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 
 
 def test_opd_through_the_flow_moves_the_student_toward_the_teacher(isolated):
-    run_dir, sets = isolated.dir / "run", isolated.sets
     # The random student gets little signal from the peaked teacher's view of its samples: a
     # large step size moves it within 30 steps (measured: reverse KL 10.42 -> 8.85, -15%).
-    overrides = ["algorithm.name=opd", "algorithm.teacher_source=warmup", "training.num_steps=30",
-                 "training.lr=3e-2", "checkpoint.interval_steps=10", *sets]
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir)]
-    for override in overrides:
-        cmd += ["--set", override]
-    proc = subprocess.run(cmd, cwd=REPO, env=isolated.env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = isolated.miles_run(isolated.dir / "run", ["algorithm.name=opd", "algorithm.teacher_source=warmup",
+                                                        "training.num_steps=30", "training.lr=3e-2",
+                                                        "checkpoint.interval_steps=10"])
     assert summary["status"] == "completed" and summary["steps"] == 30
     assert summary["teacher_dir"] and "warmup" in summary["teacher_dir"]
     assert summary["warmup"]["reached_target"] is True

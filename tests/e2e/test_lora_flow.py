@@ -2,8 +2,6 @@
 layout), the after-eval scores the merged weights, and the registry says what it holds."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,6 @@ from safetensors.torch import load_file
 from miles_core.storage.checkpoint import step_dir_name
 from miles_core.tracking.registry import WEIGHTS_TAG
 from miles_core.types import LORA_ADAPTER_DIR
-from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 STEPS = 4
@@ -34,15 +31,8 @@ def merged_by_peft(adapter_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_lora_run_exports_merged_weights_with_its_adapter_and_registers_which(isolated):
-    run_dir = isolated.dir / "run"
-    overrides = ["training.lora.rank=8", "training.lr=2e-3", f"training.num_steps={STEPS}",
-                 "checkpoint.interval_steps=2", *isolated.sets]
-    cmd = [sys.executable, "-m", "flows.cli", "run", str(REPO / "configs/local.yaml"), "--run-dir", str(run_dir)]
-    for override in overrides:
-        cmd += ["--set", override]
-    proc = subprocess.run(cmd, cwd=REPO, env=isolated.env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = isolated.miles_run(isolated.dir / "run", ["training.lora.rank=8", "training.lr=2e-3",
+                                                        f"training.num_steps={STEPS}", "checkpoint.interval_steps=2"])
     assert summary["status"] == "completed" and summary["steps"] == STEPS
 
     adapter = Path(summary["hf_export_dir"]) / LORA_ADAPTER_DIR
