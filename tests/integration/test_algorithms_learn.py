@@ -92,13 +92,15 @@ def test_objective_raises_heldout_accuracy(warm, name):
 # reward (mean of the last 10 steps minus the first 10) +0.08 to +0.12, held-out single-turn
 # pass@1 +0.07 to +0.145; the held-out check is kept loose since the episode is what is trained.
 MIN_MULTITURN_REWARD_RISE = 0.03
+MULTITURN_STEPS = 60  # measured at 60 steps only (not in the 40-step sweep)
 
 
 def test_multiturn_recipe_learns(warm):
     """configs/local-multiturn.yaml (answer, feedback, second answer): the episode reward rises,
     and single-turn held-out accuracy does not fall."""
     before = warm["before"]
-    result = run(warm, "grpo", [], warm["warm"], run_name="multiturn", recipe="configs/local-multiturn.yaml")
+    result = run(warm, "grpo", [], warm["warm"], steps=MULTITURN_STEPS, run_name="multiturn",
+                 recipe="configs/local-multiturn.yaml")
     after = accuracy(result.hf_export_dir, warm["eval"])
     rewards = [h["rollout/reward_mean"] for h in result.history]
     print(f"multi-turn: pass@1 {before:.3f} -> {after:.3f}; reward {statistics.fmean(rewards[:10]):.3f} -> "
