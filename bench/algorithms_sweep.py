@@ -6,6 +6,9 @@ more than one seed. One JSON line per run, then a summary line per setting:
 
     python bench/algorithms_sweep.py --algorithms grpo ppo --seeds 0 1 2 \
         --variant full= --variant half=rollout.num_prompts_per_step=32
+
+A variant's overrides come last, so they win over --algorithms and --steps: a variant that sets
+algorithm.name (or training.num_steps) runs that objective (that length), reported as such.
 """
 
 from __future__ import annotations
@@ -63,13 +66,15 @@ def main() -> None:
                         "checkpoint.interval_steps=100000", f"storage.work_dir={work}",
                         *[o for o in overrides.split(",") if o]]
                 cfg = build_config(recipe, sets)
+                algorithm = cfg.algorithm.name  # a variant may set its own
                 started = time.perf_counter()
                 result = run_training(TrainSpec(config=cfg, model_dir=warm.model_dir, train_path=data.train_path,
                                                 run_dir=str(work / f"run-{name}-{algorithm}-{seed}-{time.time_ns()}")))
                 gain = accuracy(result.hf_export_dir, eval_prompts) - before
                 gains.setdefault(f"{name}/{algorithm}", []).append(gain)
                 rewards = [h["rollout/reward_mean"] for h in result.history]
-                print(json.dumps({"variant": name, "algorithm": algorithm, "seed": seed, "before": before,
+                print(json.dumps({"variant": name, "algorithm": algorithm, "steps": cfg.training.num_steps,
+                                  "seed": seed, "before": before,
                                   "gain": round(gain, 4), "seconds": round(time.perf_counter() - started, 1),
                                   "reward_first10": round(statistics.fmean(rewards[:10]), 4),
                                   "reward_last10": round(statistics.fmean(rewards[-10:]), 4)}),
