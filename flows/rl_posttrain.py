@@ -166,7 +166,7 @@ def rl_posttrain(config_path: str = "configs/local.yaml", overrides: list[Overri
         version = register_model(uri, mlflow_run, cfg.tracking.registered_model_name, result.hf_export_dir,
                                  {"run_key": run_key, "checkpoint_uri": uploaded.checkpoint_uri,
                                   **registry.score_tag(after_metrics),
-                                  **registry.weights_tags(cfg.training.lora if cfg.training.lora_enabled else None),
+                                  **registry.weights_tags(cfg.training),
                                   "eval_report_uri": tracking.artifact_uri(uri, mlflow_run, reports.REPORT_ARTIFACT),
                                   "train_data": data.train_path, "eval_data": data.eval_path}, step=result.steps)
     with timer("promote"):

@@ -274,10 +274,9 @@ def run_loop(run: TrainingRun, state: LoopState) -> LoopState:
                 run.save(state, batch.cursor if cursor is None else cursor, partial)
                 run.hooks.on_checkpoint(state.step)
             run.hooks.on_step(state)
-        schedule.close()
-        if state.history and (unused := unused_at_end(schedule, pool)):
-            state.history[-1] |= unused
-            run.hooks.on_metrics(state.step, unused)
     finally:
         schedule.close()
+    if state.history and (unused := unused_at_end(schedule, pool)):  # reached num_steps, producer stopped
+        state.history[-1] |= unused
+        run.hooks.on_metrics(state.step, unused)
     return state

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
+from miles_core.config.training import TrainingConfig
 from miles_core.metrics import AFTER_HELDOUT_PASS_AT_1
 from miles_core.tracking.runs import client_for
 from miles_core.types import LORA_ADAPTER_DIR
@@ -34,11 +35,11 @@ def score_tag(after_metrics: dict[str, float]) -> dict[str, str]:
     return {SCORE_TAG: str(after_metrics[SCORE_METRIC])}
 
 
-def weights_tags(lora) -> dict[str, str]:
-    """The tags saying what a new model version's weights are; lora: training.lora when enabled,
-    else None."""
-    if lora is None:
+def weights_tags(training: TrainingConfig) -> dict[str, str]:
+    """The tags saying what a new model version's weights are (training.lora or not)."""
+    if not training.lora_enabled:
         return {WEIGHTS_TAG: "full"}
+    lora = training.lora
     return {WEIGHTS_TAG: "merged_lora", "lora_adapter_dir": LORA_ADAPTER_DIR, "lora_rank": str(lora.rank),
             "lora_alpha": str(lora.alpha), "lora_target_modules": ",".join(lora.modules)}
 

@@ -140,3 +140,15 @@ def test_export_is_the_merged_model_with_the_adapter_in_peft_layout(lora_trainer
 
 def test_payload_bytes_counts_what_a_sync_carries():
     assert payload_bytes({"a.lora_A.weight": torch.zeros(4, 8), "a.lora_B.weight": torch.zeros(8, 4)}) == 256
+
+
+def test_the_registry_tags_say_whether_a_version_is_merged_lora_or_full():
+    from miles_core.config import build_config
+    from miles_core.tracking.registry import WEIGHTS_TAG, weights_tags
+
+    lora = weights_tags(build_config({}, ["training.lora.rank=8", "training.lora.target_modules=[q_proj,v_proj]"]).training)
+    assert lora == {WEIGHTS_TAG: "merged_lora", "lora_adapter_dir": "adapter", "lora_rank": "8", "lora_alpha": "16.0",
+                    "lora_target_modules": "q_proj,v_proj"}
+    assert weights_tags(build_config({}).training) == {WEIGHTS_TAG: "full"}
+    disabled = build_config({}, ["training.lora.rank=8", "training.lora.enabled=false"]).training
+    assert weights_tags(disabled) == {WEIGHTS_TAG: "full"}
