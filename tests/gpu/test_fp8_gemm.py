@@ -69,6 +69,7 @@ def timed(fn, reps: int = 50) -> float:
 
 
 def test_a_block_fp8_gemm_matches_the_dequantized_reference():
+    print(f"[fp8-gemm] {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     working = []
     for m, k, n in SHAPES:
         g = torch.Generator("cuda").manual_seed(0)
