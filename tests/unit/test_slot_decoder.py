@@ -236,3 +236,16 @@ def test_compiled_steps_give_what_eager_steps_give(tiny_model_dir, engines):
         assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
         for a, b in zip(got, want):
             torch.testing.assert_close(logprobs(a), logprobs(b), rtol=0, atol=1e-4)
+
+
+def test_an_fp8_engine_decodes_in_slots_as_generate_does(tiny_model_dir):
+    """quantization=fp8 keeps slot decoding (on a GPU its FP8 linears run inside the compiled step):
+    slots give the tokens and log-probs generate gives over the same FP8 weights."""
+    reference = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=False, quantization="fp8")
+    slots = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=True, max_batch_size=4, quantization="fp8")
+    assert slots.decode_path == "slots" and slots.fp8 is not None
+    work, params = prompts(6), {"temperature": 1.0, "max_new_tokens": 8}
+    want, got = reference.generate(work, params, seed=2), slots.generate(work, params, seed=2)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    for g, w in zip(got, want):
+        assert logprobs(g) == pytest.approx(logprobs(w), abs=1e-4)

@@ -106,11 +106,9 @@ class EmbeddedEngine:
         # (prompts not started come back empty); how the HTTP service's /abort_request gets in.
         self.interrupted: Callable[[], bool] | None = None
         use_slots = self.device.type == "cuda" and supports(self.model.config) if slot_decoding is None else slot_decoding
-        use_slots = use_slots and self.fp8 is None  # FP8 layers under its compiled steps: not yet run on a GPU
         if self.device.type == "cuda" and not use_slots:  # several times slower decode: never silent
             log.warning("embedded engine on %s decodes with transformers' generate, not slot decoding (%s)",
                         self.device, "slot_decoding=False" if slot_decoding is False else
-                        "FP8 weights: slot decoding with FP8 layers is not yet checked on a GPU" if self.fp8 else
                         "slot decoding does not support this model's attention (sliding windows, mixed layers "
                         "or split head sizes)")
         self.decode_path = "slots" if use_slots else "generate"

@@ -3,10 +3,12 @@ engine that generates with rollout.precision=fp8 itself: the embedded engine sta
 SGLang's `--quantization fp8` swaps its decoder projections for these and quantizes every weight
 it is sent (Fp8Weights.copy).
 
-The forward dequantizes the weight and runs the matmul in the activations' dtype: the numerics
-of an FP8-weight engine minus activation quantization, on any device. It is the reference a
-Hopper kernel (torch._scaled_mm with 128x128 weight scales and 1x128 activation scales) would be
-checked against, and lets CPU tests measure the log-prob gap FP8 weights open against the trainer.
+On a Hopper GPU (compute capability 9.0+, in/out features multiples of 128) the forward is one
+FP8 GEMM (torch._scaled_mm with 128x128 weight scales and 1x128 activation scales, the form SGLang's
+block-FP8 linears compute; tests/gpu/test_fp8_gemm.py checks it against the reference). Elsewhere it
+dequantizes the weight and runs the matmul in the activations' dtype: the numerics of an FP8-weight
+engine minus activation quantization, which lets CPU tests measure the log-prob gap FP8 weights
+open against the trainer.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ from miles_core.weight_sync.quantization import (
     emulated_fp8_linear,
     is_quantized_weight,
     quantize_block_fp8,
+    scaled_mm_block_fp8,
 )
+
+
+def has_block_fp8_gemm(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> bool:
+    """Whether torch._scaled_mm's block form can compute a linear with this FP8 weight: a CUDA
+    device of compute capability 9.0 or more and dimensions whole multiples of the blocks."""
+    out_features, in_features = weight.shape
+    return (weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (9, 0)
+            and block == BLOCK and out_features % block[0] == 0 and in_features % block[1] == 0)
 
 
 class Fp8BlockLinear(torch.nn.Module):
@@ -34,6 +45,9 @@ class Fp8BlockLinear(torch.nn.Module):
         self.register_buffer("bias", bias)
         self.block = block
         self.out_features, self.in_features = weight.shape
+        # Decided once, where the weight lives: a Python branch in forward, which torch.compile
+        # specializes on, rather than a device query inside the compiled decode step.
+        self.fp8_gemm = has_block_fp8_gemm(weight, block)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, block: tuple[int, int] = BLOCK) -> Fp8BlockLinear:
@@ -47,6 +61,8 @@ class Fp8BlockLinear(torch.nn.Module):
         self.weight_scale_inv.copy_(weight_scale_inv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_gemm:
+            return scaled_mm_block_fp8(x, self.weight, self.weight_scale_inv, self.bias)
         return emulated_fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.block)
 
 
