@@ -21,8 +21,12 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+# An H200 (139 GiB) holds the 8-prompt layout unshared (96.3 GiB); 32 prompts do not fit it
+# unshared (150.3 GiB by miles plan) and do time-shared (79.5 GiB). A later --prompts wins.
+prompts=8
+if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then prompts=32; fi
 timeout "${LIMIT:-560}" python3 bench/driver_gpu.py --model qwen3-4b-shape --time-sharing --steps 2 \
-  --prompts 8 --samples 8 --max-new-tokens 1024 --micro-batch 2 --work-dir /tmp/timeshare \
+  --prompts "$prompts" --samples 8 --max-new-tokens 1024 --micro-batch 2 --work-dir /tmp/timeshare \
   --set training.fsdp.activation_checkpointing=true "$@" >"$out/timeshare.json" 2>"$out/timeshare.log" || true
 grep -v "^ " "$out/timeshare.log" | tail -c 6000
 tail -c 3000 "$out/timeshare.json"
