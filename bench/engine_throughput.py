@@ -122,6 +122,8 @@ def main() -> None:
                         help="the engine's KV cache size, as SGLang's flag (default: 40%% of the free memory)")
     parser.add_argument("--quantization", choices=["fp8"], default=None,
                         help="SGLang's flag: block-FP8 decoder projections (rollout.precision=fp8)")
+    parser.add_argument("--slot-decoding", action="store_true",
+                        help="slot decoding even where the engine would not choose it (FP8 weights: opt-in)")
     parser.add_argument("--phases", action="store_true",
                         help="also time the engine without log-probs and without seeds, and print a profile "
                              "of its kernels to stderr")
@@ -132,7 +134,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(args.model, Path(tmp) / "model", dtype)
         engine = EmbeddedEngine(str(model_dir), dtype=str(dtype).removeprefix("torch."), max_batch_size=args.batch,
-                                mem_fraction_static=args.mem_fraction_static, quantization=args.quantization)
+                                mem_fraction_static=args.mem_fraction_static, quantization=args.quantization,
+                                slot_decoding=True if args.slot_decoding else None)
         work = prompts(args.num_seqs, args.prompt_len, vocab)
         # EOS stays on with stop ids (SGLang's ignore_eos would turn stop_token_ids off too); the
         # baseline then stops at the same set: the stop ids and every EOS id of the model.

@@ -110,3 +110,24 @@ def test_the_embedded_engine_refuses_a_quantization_it_cannot_serve(tiny_model_d
 
     with pytest.raises(ValueError, match="serves block FP8"):
         EmbeddedEngine(str(tiny_model_dir), num_threads=1, quantization="awq")
+
+
+def test_the_fp8_gemm_is_used_only_where_its_probe_matches_the_reference(monkeypatch, caplog):
+    """A GPU whose torch._scaled_mm refuses the block form, or gets it wrong, dequantizes instead,
+    and says so; one that matches the reference takes the GEMM."""
+    from miles_core.engines.embedded import fp8_linear
+    from miles_core.weight_sync.quantization import emulated_fp8_linear
+
+    probe = fp8_linear._block_fp8_gemm_works.__wrapped__
+    cpu = torch.device("cpu")
+
+    def refused(*args):
+        raise RuntimeError("Invalid scaling configuration")
+
+    cases = [(refused, False), (lambda x, q, s: emulated_fp8_linear(x, q, s) * 1.1, False),
+             (lambda x, q, s: emulated_fp8_linear(x.float(), q, s).to(x.dtype), True)]
+    for gemm, usable in cases:
+        monkeypatch.setattr(fp8_linear, "scaled_mm_block_fp8", gemm)
+        caplog.clear()
+        assert probe(cpu) is usable
+        assert ("dequantize to bf16" in caplog.text) is not usable

@@ -239,8 +239,9 @@ def test_compiled_steps_give_what_eager_steps_give(tiny_model_dir, engines):
 
 
 def test_an_fp8_engine_decodes_in_slots_as_generate_does(tiny_model_dir):
-    """quantization=fp8 keeps slot decoding (on a GPU its FP8 linears run inside the compiled step):
-    slots give the tokens and log-probs generate gives over the same FP8 weights."""
+    """An FP8 engine asked for slot decoding gets it (on a GPU its FP8 linears run inside the
+    compiled step; opt-in there until a GPU has run it): slots give the tokens and log-probs
+    generate gives over the same FP8 weights."""
     reference = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=False, quantization="fp8")
     slots = EmbeddedEngine(str(tiny_model_dir), num_threads=1, slot_decoding=True, max_batch_size=4, quantization="fp8")
     assert slots.decode_path == "slots" and slots.fp8 is not None

@@ -105,10 +105,14 @@ class EmbeddedEngine:
         # Checked between decode steps: True ends the running call with what each sequence has
         # (prompts not started come back empty); how the HTTP service's /abort_request gets in.
         self.interrupted: Callable[[], bool] | None = None
-        use_slots = self.device.type == "cuda" and supports(self.model.config) if slot_decoding is None else slot_decoding
+        # FP8 layers inside the compiled decode step have not run on a GPU yet: opt in with slot_decoding=True
+        by_default = self.device.type == "cuda" and supports(self.model.config) and self.fp8 is None
+        use_slots = by_default if slot_decoding is None else slot_decoding
         if self.device.type == "cuda" and not use_slots:  # several times slower decode: never silent
             log.warning("embedded engine on %s decodes with transformers' generate, not slot decoding (%s)",
                         self.device, "slot_decoding=False" if slot_decoding is False else
+                        "FP8 weights: slot decoding with FP8 layers is not yet checked on a GPU; "
+                        "slot_decoding=True opts in" if self.fp8 else
                         "slot decoding does not support this model's attention (sliding windows, mixed layers "
                         "or split head sizes)")
         self.decode_path = "slots" if use_slots else "generate"

@@ -13,6 +13,9 @@ open against the trainer.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from miles_core.weight_sync.quantization import (
@@ -24,13 +27,38 @@ from miles_core.weight_sync.quantization import (
     scaled_mm_block_fp8,
 )
 
+log = logging.getLogger(__name__)
+
 
 def has_block_fp8_gemm(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> bool:
-    """Whether torch._scaled_mm's block form can compute a linear with this FP8 weight: a CUDA
-    device of compute capability 9.0 or more and dimensions whole multiples of the blocks."""
+    """Whether torch._scaled_mm's block form computes a linear with this FP8 weight: a CUDA device
+    of compute capability 9.0 or more, dimensions whole multiples of the blocks, and a probe of
+    the GEMM on that device that matches the dequantized reference (checked once per device)."""
     out_features, in_features = weight.shape
     return (weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (9, 0)
-            and block == BLOCK and out_features % block[0] == 0 and in_features % block[1] == 0)
+            and block == BLOCK and out_features % block[0] == 0 and in_features % block[1] == 0
+            and _block_fp8_gemm_works(weight.device))
+
+
+@functools.cache
+def _block_fp8_gemm_works(device: torch.device) -> bool:
+    """torch._scaled_mm's block form at decode sizes (1 and 3 tokens) against the reference; a
+    refusal or a mismatch is logged and the layers dequantize instead (slower, never silent)."""
+    g = torch.Generator(device).manual_seed(0)
+    w = torch.randn(256, 256, device=device, generator=g) * 0.02
+    q, scale_inv = quantize_block_fp8(w)
+    try:
+        for tokens in (1, 3):
+            x = torch.randn(tokens, 256, device=device, generator=g, dtype=torch.bfloat16)
+            got = scaled_mm_block_fp8(x, q, scale_inv).float()
+            want = emulated_fp8_linear(x.float(), q, scale_inv)
+            if float((got - want).norm() / want.norm()) > 1e-2:
+                raise ValueError(f"relative error {float((got - want).norm() / want.norm()):.2e} at {tokens} tokens")
+    except (RuntimeError, ValueError) as exc:
+        log.warning("FP8 linears on %s dequantize to bf16 (several times slower): torch._scaled_mm's block "
+                    "form failed its check: %s", device, exc)
+        return False
+    return True
 
 
 class Fp8BlockLinear(torch.nn.Module):
