@@ -54,7 +54,7 @@ def _block_fp8_gemm_works(device: torch.device) -> bool:
             want = emulated_fp8_linear(x.float(), q, scale_inv)
             if float((got - want).norm() / want.norm()) > 1e-2:
                 raise ValueError(f"relative error {float((got - want).norm() / want.norm()):.2e} at {tokens} tokens")
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, TypeError, ValueError) as exc:  # refused by this torch or GPU, or wrong
         log.warning("FP8 linears on %s dequantize to bf16 (several times slower): torch._scaled_mm's block "
                     "form failed its check: %s", device, exc)
         return False
