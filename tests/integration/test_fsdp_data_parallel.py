@@ -5,6 +5,7 @@ one rank on the same global batch, checkpoint for any DP size, and run the train
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,19 @@ def test_dp2_trains_like_dp1_on_the_same_global_batch(ray_local_3cpus, tiny_mode
         kill_trainer(group)
 
 
+def shm_buffers() -> set[Path]:
+    return set(Path("/dev/shm").glob("miles-weights-*"))
+
+
+def left_behind(before: set[Path], settle_seconds: float = 10.0) -> set[Path]:
+    """Weight buffers made since `before` that are still there after settle_seconds. A run beside
+    this one (the suite's other shard) has its own, each removed as soon as its engines map it."""
+    deadline = time.monotonic() + settle_seconds
+    while (left := shm_buffers() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def test_dp2_run_syncs_engines_checkpoints_and_resumes_at_dp1(ray_local_3cpus, tmp_path, tiny_model_dir):
     train, _ = write_arithmetic_task(build_config({}).data.builtin, tmp_path / "data")
 
@@ -86,9 +100,10 @@ def test_dp2_run_syncs_engines_checkpoints_and_resumes_at_dp1(ray_local_3cpus, t
                                 "algorithm.entropy_coef=0.01"])
         return TrainSpec(config=cfg, model_dir=str(tiny_model_dir), train_path=str(train), run_dir=str(tmp_path / "run"))
 
+    before = shm_buffers()
     first = run_training(spec(dp=2, num_steps=3, transport="shared_memory"))
     assert first.steps == 3
-    assert not list(Path("/dev/shm").glob("miles-weights-*"))  # unlinked once the engine mapped it
+    assert not left_behind(before)  # unlinked once the engine mapped it
     # each step's rollouts come from the weights rank 0 shared (then broadcast) for the group (their
     # sha256 matched the trainer's), so the trainer and the engines score the same policy
     assert max(h["rollout/train_logprob_abs_diff"] for h in first.history) <= ON_POLICY_TOL
