@@ -19,6 +19,7 @@ from infra.stack import RAY_LOOPBACK_ONLY
 from miles_core.config import ConfigError, RunConfig, field_docs, load_config
 from miles_core.config.transport import choose_transport
 from miles_core.driver.placement import describe, strategy
+from tasks.retry import termination_signal_in
 
 if TYPE_CHECKING:
     from miles_core.summary import RunSummary
@@ -199,7 +200,7 @@ def run(config: Path = typer.Argument(..., help="YAML recipe, e.g. configs/local
         summary = rl_posttrain(config_path=str(config), overrides=list(set_), resume_from=resume,
                                run_dir=str(run_dir) if run_dir else None)
     except Exception as exc:  # noqa: BLE001 - the CLI boundary: one clear line, details in the log above
-        signum = _termination_signal_in(exc)
+        signum = termination_signal_in(exc)
         if signum is not None:
             _exit_on_sigterm(signum, None)
         console.print(f"[red]run failed: {type(exc).__name__}: {exc}[/red]", soft_wrap=True)
@@ -248,25 +249,6 @@ def _exit_on_sigterm(signum: int, _frame) -> None:
     hands the signal on to this one."""
     console.print(f"[red]run stopped by {signal.Signals(signum).name}[/red]", soft_wrap=True)
     raise SystemExit(128 + signum)
-
-
-def _termination_signal_in(exc: BaseException) -> int | None:
-    """The signal number of a Prefect TerminationSignal that caused `exc`, if one did.
-
-    Prefect's SIGTERM handler raises TerminationSignal wherever the main thread is; raised inside
-    ray.get (Ray runs Python signal handlers from its C++ wait loop) it comes out wrapped in a
-    SystemError, so the flow fails with that instead of crashing and never hands the signal on.
-    The run was still told to stop: it must exit as a stopped run, not as a failed one.
-    """
-    from prefect.exceptions import TerminationSignal
-
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, TerminationSignal):
-            return exc.signal
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 def print_summary(summary: RunSummary) -> None:

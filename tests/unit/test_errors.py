@@ -33,3 +33,33 @@ def test_input_and_programming_errors_fail_fast(exc):
 
 def test_library_errors_need_not_subclass_builtins():
     assert not issubclass(DriverStalled, TimeoutError) and issubclass(DriverStalled, InfrastructureError)
+
+
+def test_a_failure_a_termination_signal_caused_is_never_retried():
+    """SIGTERM inside ray.get surfaces wrapped (e.g. as an engine that failed to start): the task
+    must not retry into more training, whatever the wrapper's class says."""
+    from prefect.exceptions import TerminationSignal
+
+    from tasks.retry import retry_if_retryable
+
+    class FailedState:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def result(self):
+            raise self.exc
+
+    def start_engine():
+        try:
+            raise TerminationSignal(signal=15)
+        except TerminationSignal as signal_exc:
+            try:
+                raise SystemError("error return without exception set") from signal_exc
+            except SystemError:
+                raise InfrastructureError("engine failed to start") from None
+
+    with pytest.raises(InfrastructureError) as caught:
+        start_engine()
+    wrapped = caught.value
+    assert not retry_if_retryable(None, None, FailedState(wrapped))
+    assert retry_if_retryable(None, None, FailedState(InfrastructureError("engine failed to start")))
