@@ -112,6 +112,7 @@ def test_the_engines_fp8_linear_runs_one_fp8_gemm_at_every_decode_size(tokens):
     for name, fn in (("eager", layer), ("compiled", torch.compile(layer, dynamic=False))):
         out = fn(x)
         rel = float((out.float() - ref.float()).norm() / ref.float().norm())
-        print(f"[fp8-linear] {tokens} tokens {name}: rel err {rel:.2e}, {timed(lambda f=fn: f(x)):.1f} us, "
+        print(f"[fp8-linear] {torch.cuda.get_device_name()}, torch {torch.__version__}: {tokens} tokens {name}: "
+              f"rel err {rel:.2e}, {timed(lambda f=fn: f(x)):.1f} us, "
               f"bf16 {timed(lambda: linear(x)):.1f} us")
         assert out.shape == (tokens, 1, 9728) and rel < 1e-2

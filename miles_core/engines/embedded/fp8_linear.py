@@ -50,10 +50,10 @@ def _block_fp8_gemm_works(device: torch.device) -> bool:
     try:
         for tokens in (1, 3):
             x = torch.randn(tokens, 256, device=device, generator=g, dtype=torch.bfloat16)
-            got = scaled_mm_block_fp8(x, q, scale_inv).float()
             want = emulated_fp8_linear(x.float(), q, scale_inv)
-            if float((got - want).norm() / want.norm()) > 1e-2:
-                raise ValueError(f"relative error {float((got - want).norm() / want.norm()):.2e} at {tokens} tokens")
+            error = float((scaled_mm_block_fp8(x, q, scale_inv).float() - want).norm() / want.norm())
+            if error > 1e-2:
+                raise ValueError(f"relative error {error:.2e} at {tokens} tokens")
     except (RuntimeError, TypeError, ValueError) as exc:  # refused by this torch or GPU, or wrong
         log.warning("FP8 linears on %s dequantize to bf16 (several times slower): torch._scaled_mm's block "
                     "form failed its check: %s", device, exc)
