@@ -88,8 +88,7 @@ def test_sigterm_stops_a_run_whose_download_hangs(wedged_hub, tmp_path):
     assert wedged_hub.held.wait(60), "".join(lines)[-3000:]
     proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
-    rest, _ = proc.communicate(timeout=60)  # returns once no child holds the output pipe either
-    output = "".join(lines) + rest
+    output = "".join(lines) + _rest_of_output(proc, timeout_seconds=60)
     assert time.monotonic() - signalled < 30, output[-3000:]
     assert proc.returncode == 128 + signal.SIGTERM and "aborted by a termination signal" in output, output[-3000:]
     assert "marked FAILED" in output  # the MLflow run does not stay RUNNING
@@ -114,9 +113,19 @@ def test_sigterm_in_the_train_stage_exits_143(tmp_path):
     time.sleep(5)  # inside the stage: engines and trainers start, then steps run
     proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
-    rest, _ = proc.communicate(timeout=90)
-    output = "".join(lines) + rest
+    output = "".join(lines) + _rest_of_output(proc, timeout_seconds=90)
     assert time.monotonic() - signalled < 60, output[-3000:]
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "run stopped by SIGTERM" in output and "marked FAILED" in output, output[-3000:]
     assert "Stopping temporary server" in output
+
+
+def _rest_of_output(proc: subprocess.Popen, timeout_seconds: float) -> str:
+    """The run's output until it exits and no child holds the pipe; a run still going after the
+    timeout is killed and the test fails with what it printed after the signal."""
+    try:
+        return proc.communicate(timeout=timeout_seconds)[0]
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        printed = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else exc.output or ""
+        pytest.fail(f"the run did not stop within {timeout_seconds} s of SIGTERM; it printed:\n{printed[-6000:]}")
