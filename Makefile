@@ -23,8 +23,11 @@ plan: install
 lint: install
 	$(BIN)/ruff check .
 
+# Two pytest workers, a test file at a time each: one process alone left about a quarter of the
+# 2 cores idle (Ray and servers starting, processes importing). OpenMP threads wait passively:
+# libgomp's spinning waits took the other worker's cores (docs/benchmarks/test_suite_cpu_*.md).
 test: install
-	$(BIN)/pytest tests --ignore=tests/gpu --basetemp=.pytest-tmp --durations=25
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/pytest tests --ignore=tests/gpu -n 2 --dist loadfile --basetemp=.pytest-tmp --durations=25
 
 test-unit: install
 	$(BIN)/pytest tests/unit
