@@ -32,4 +32,3 @@ def termination_signal_in(exc: BaseException) -> int | None:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
-

@@ -18,6 +18,7 @@ from miles_core.data import write_arithmetic_task
 from miles_core.driver.session import TrainSpec, run_training
 from miles_core.driver.trainer_group import kill_trainer, start_trainer_group
 from miles_core.training.fsdp import FSDPTrainer
+from miles_core.weight_sync.shared import SHM_DIR
 from tests.support import max_abs_diff, random_samples
 
 # DP=2 sums the same per-token terms as DP=1 in another order: float32 rounding only.
@@ -76,12 +77,12 @@ def test_dp2_trains_like_dp1_on_the_same_global_batch(ray_local_3cpus, tiny_mode
 
 
 def shm_buffers() -> set[Path]:
-    return set(Path("/dev/shm").glob("miles-weights-*"))
+    return set(SHM_DIR.glob("miles-weights-*"))
 
 
 def left_behind(before: set[Path], settle_seconds: float = 10.0) -> set[Path]:
     """Weight buffers made since `before` that are still there after settle_seconds. A run beside
-    this one (the suite's other shard) has its own, each removed as soon as its engines map it."""
+    this one (another pytest process) has its own, each removed as soon as its engines map it."""
     deadline = time.monotonic() + settle_seconds
     while (left := shm_buffers() - before) and time.monotonic() < deadline:
         time.sleep(0.2)
